@@ -1,0 +1,6 @@
+"""compile_shard: FSDP2-style fully sharded data parallel that torch.compile captures whole."""
+
+from . import ops
+from ._api import FSDPModule, fully_shard
+
+__all__ = ["FSDPModule", "fully_shard", "ops"]

@@ -1,0 +1,261 @@
+"""``fully_shard`` and ``FSDPModule``: FSDP2's public API over the ``fsdp`` ops."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._pytree import tree_flatten
+
+from ._group import FSDPParamGroup
+from ._param import FSDPParam, ParamUsage
+
+__all__ = ["FSDPModule", "fully_shard"]
+
+_STATE_ATTR = "_compile_shard_state"
+
+
+class FSDPState:
+    """Per-module state of ``fully_shard``: hooks, lazy init and the root's duties."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, group: FSDPParamGroup | None, reshard_after_forward):
+        self.module = module
+        self.mesh = mesh
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.is_root: bool | None = None
+        self.subtree_states: list[FSDPState] = []
+        self._final_callback_queued = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    # Lazy init: the first module to run forward is the root --------------------------
+
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        for name, submodule in self.module.named_modules():
+            state = _get_state(submodule)
+            if state is None:
+                continue
+            if submodule is not self.module:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard: {name!r} ran forward before the root {_label(self.module)}; "
+                        "run forward through the root module first"
+                    )
+                state.is_root = False
+            self.subtree_states.append(state)
+            if state.group is not None:
+                state.group.module_name = name or _label(self.module)
+        fqns = {id(param): fqn for fqn, param in self.module.named_parameters()}
+        for state in self.subtree_states:
+            if state.group is None:
+                continue
+            if state is self and state.reshard_after_forward is None:
+                state.group.reshard_after_forward = False  # FSDP2: the root is needed right away in backward
+            for fsdp_param in state.group.fsdp_params:
+                fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
+                fsdp_param.validate_device(self.mesh.device_type)
+                fsdp_param.reset_sharded_param()
+
+    # Hooks ------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._lazy_init()
+        if self.group is not None:
+            self.group.pre_forward()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.group is not None:
+            output = self.group.post_forward(output)
+        if self.is_root and torch.is_grad_enabled():
+            self._register_root_pre_backward(output)
+        return output
+
+    def _register_root_pre_backward(self, output: Any) -> None:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self._final_callback_queued:
+                self._final_callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
+            return grad
+
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(hook)
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._final_callback_queued = False
+        for state in self.subtree_states:
+            if state.group is not None:
+                state.group.finalize_backward()
+
+
+def _get_state(module: nn.Module) -> FSDPState | None:
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class FSDPModule:
+    """Mixed into the class of every module passed to :func:`fully_shard`."""
+
+    def _fsdp_state(self) -> FSDPState:
+        return cast(FSDPState, _get_state(cast(nn.Module, self)))
+
+    def unshard(self) -> None:
+        """All-gathers this module's parameters now and registers the unsharded tensors.
+
+        A later forward uses them without another all-gather. Call it with the grad
+        mode the forward will use: the all-gather is part of the autograd graph.
+        """
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard()
+
+    def reshard(self) -> None:
+        """Frees this module's unsharded parameters and registers the sharded ones."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Sets whether the unsharded parameters are freed after forward (and re-gathered in backward)."""
+        modules = cast(nn.Module, self).modules() if recurse else [self]
+        for module in modules:
+            state = _get_state(module)
+            if state is not None:
+                state.reshard_after_forward = reshard_after_forward
+                if state.group is not None:
+                    state.group.reshard_after_forward = reshard_after_forward
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _FSDP_CLASSES[cls]
+
+
+def _label(module: nn.Module) -> str:
+    """The user's class name, also for a module whose class fully_shard swapped."""
+    cls = type(module)
+    return (cls.__bases__[1] if issubclass(cls, FSDPModule) else cls).__name__
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard: torch.distributed is not initialized; call dist.init_process_group(...) "
+            "or pass mesh=init_device_mesh(...)"
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[ParamUsage]]:
+    """Parameters registered in ``module``'s subtree, minus subtrees already sharded."""
+    sharded_below = {
+        id(tensor)
+        for submodule in module.modules()
+        if (state := _get_state(submodule)) is not None and state.group is not None
+        for fsdp_param in state.group.fsdp_params
+        for tensor in (fsdp_param.sharded_param, fsdp_param.original_param())
+    }
+    usages: dict[nn.Parameter, list[ParamUsage]] = {}
+
+    def visit(submodule: nn.Module, prefix: str) -> None:
+        for name, param in submodule._parameters.items():
+            if param is None:
+                continue
+            if id(param) in sharded_below:
+                raise ValueError(
+                    f"fully_shard({_label(module)}): parameter {prefix + name!r} is already sharded by "
+                    "another fully_shard call (a parameter shared across groups). Apply fully_shard to a "
+                    "common ancestor of every module that uses it instead"
+                )
+            usages.setdefault(param, []).append(ParamUsage(submodule, name))
+        for child_name, child in submodule.named_children():
+            if _get_state(child) is None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return usages
+
+
+def _check_one_dtype(module: nn.Module, named: dict[str, nn.Parameter]) -> None:
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for fqn, param in named.items():
+        by_dtype.setdefault(param.dtype, []).append(fqn)
+    if len(by_dtype) > 1:
+        listing = "; ".join(f"{dtype}: {', '.join(fqns)}" for dtype, fqns in by_dtype.items())
+        raise ValueError(
+            f"fully_shard({_label(module)}): one group is all-gathered as one buffer and needs one "
+            f"dtype, but got {listing}. Cast the module to one dtype, or apply fully_shard to the "
+            "submodules with the other dtype first"
+        )
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | None = None,
+) -> FSDPModule:
+    """Shards ``module``'s parameters on dim 0 across ``mesh`` (FSDP2 semantics).
+
+    Apply it bottom-up: to each block first, then to the root. Each call forms one
+    group: one all-gather before the module's forward, one reduce-scatter of its
+    gradients in backward. ``reshard_after_forward`` frees the unsharded parameters
+    after forward and gathers them again before backward; ``None`` (the default)
+    means True except for the root module, as in FSDP2.
+    """
+    if _get_state(module) is not None:
+        raise ValueError(
+            f"fully_shard was already applied to this {_label(module)}; apply it once per module "
+            "(bottom-up: blocks first, then the root)"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard({_label(module)}): reshard_after_forward must be True, False or None, got "
+            f"{reshard_after_forward!r} (resharding to a smaller world is not supported yet)"
+        )
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard({_label(module)}): expected a 1-D DeviceMesh, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}. HSDP on a 2-D mesh is not supported yet; pass mesh[dim_name] for the "
+            "data-parallel dimension"
+        )
+    usages = _managed_params(module)
+    fqn_of = {id(param): fqn for fqn, param in module.named_parameters()}
+    named = {fqn_of[id(param)]: param for param in usages}
+    for fqn, param in named.items():
+        if not param.is_meta and param.device.type != mesh.device_type:
+            raise ValueError(
+                f"fully_shard({_label(module)}): parameter {fqn!r} is on {param.device} but the mesh "
+                f"covers {mesh.device_type!r} devices; move the module to {mesh.device_type!r} (or keep it "
+                "on meta and materialize it later) before fully_shard"
+            )
+    _check_one_dtype(module, named)
+    group = None
+    if usages:
+        fsdp_params = [
+            FSDPParam(param, fqn, usage, mesh) for (fqn, param), usage in zip(named.items(), usages.values())
+        ]
+        for fsdp_param in fsdp_params:
+            fsdp_param.register_sharded()
+        group = FSDPParamGroup(
+            fsdp_params,
+            _label(module),
+            mesh,
+            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+        )
+    module.__dict__[_STATE_ATTR] = FSDPState(module, mesh, group, reshard_after_forward)
+    module.__class__ = _fsdp_class(type(module))
+    return cast(FSDPModule, module)

@@ -1,0 +1,208 @@
+"""One ``fully_shard`` call's parameters and their unshard/reshard lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+from . import ops
+from ._param import FSDPParam
+
+
+class TrainingState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+
+
+class UnshardedParams:
+    """The unsharded parameters produced by one all-gather of a group.
+
+    [Note: unsharded storage lifetime]
+    The unsharded tensors are outputs of the differentiable ``fsdp::all_gather_into``
+    (plus copy-out views), not persistent parameters: autograd routes their
+    gradients through the all-gather's backward, a reduce-scatter, straight into the
+    sharded DTensor parameters. Autograd saves them (or views of them, such as
+    ``weight.t()`` in ``F.linear``) for backward. Resharding therefore frees their
+    *storage* with ``fsdp::resize_storage_(t, 0)`` while the tensor objects stay
+    alive inside the autograd graph, and unsharding for backward resizes the same
+    storages back and copies freshly gathered values in. Saved views see the new
+    values because they share the storage; ``set_`` to a new storage would leave them
+    pointing at the freed one. The refill preserves version counters: the values
+    are bit-identical to what forward saw, so autograd's saved-tensor version check
+    must not fire.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], all_gather_output: torch.Tensor):
+        self.tensors = tensors
+        self.storage_nbytes = [t.untyped_storage().nbytes() for t in tensors]
+        self.all_gather_node = all_gather_output.grad_fn
+        self.is_freed = False
+        self.backward_done = False
+
+    def free(self) -> None:
+        if self.is_freed:
+            return
+        for tensor in self.tensors:
+            ops.resize_storage_(tensor, 0)
+        self.is_freed = True
+
+    def refill(self, fresh: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor, nbytes, values in zip(self.tensors, self.storage_nbytes, fresh):
+                ops.resize_storage_(tensor, nbytes)
+                with torch.autograd._unsafe_preserve_version_counter(tensor):
+                    tensor.copy_(values)
+        self.is_freed = False
+
+    def live_bytes(self) -> int:
+        return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.tensors}.values())
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call: one all-gather, one reduce-scatter."""
+
+    def __init__(
+        self,
+        fsdp_params: list[FSDPParam],
+        module_name: str,
+        mesh: DeviceMesh,
+        reshard_after_forward: bool,
+    ):
+        self.fsdp_params = fsdp_params
+        self.module_name = module_name
+        self.mesh = mesh
+        self.world_size = mesh.size()
+        self.group_name = mesh.get_group().group_name
+        self.reshard_after_forward = reshard_after_forward
+        self.training_state = TrainingState.IDLE
+        self.unsharded: UnshardedParams | None = None
+        self._live: list[weakref.ref[UnshardedParams]] = []
+
+    # Collectives ------------------------------------------------------------------
+
+    def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """All-gathers the group and copies out one tensor per parameter."""
+        shards = [fsdp_param.sharded_param.to_local() for fsdp_param in self.fsdp_params]
+        padded_numels = [fsdp_param.padded_numel for fsdp_param in self.fsdp_params]
+        all_gather_output = ops.all_gather_into(shards, padded_numels, self.world_size, self.group_name)
+        per_rank = all_gather_output.view(self.world_size, -1).split(padded_numels, dim=1)
+        unsharded = [
+            chunk.reshape(-1, *fsdp_param.unsharded_shape[1:])[: fsdp_param.unsharded_shape[0]]
+            for chunk, fsdp_param in zip(per_rank, self.fsdp_params)
+        ]
+        return unsharded, all_gather_output
+
+    # Lifecycle --------------------------------------------------------------------
+
+    def unshard(self) -> UnshardedParams:
+        if self.unsharded is not None and self._needs_autograd_graph(self.unsharded):
+            self.reshard()  # gathered under no_grad but now needed with gradients
+        if self.unsharded is None:
+            tensors, all_gather_output = self._all_gather()
+            self.unsharded = UnshardedParams(tensors, all_gather_output)
+            self._live.append(weakref.ref(self.unsharded))
+            if self.unsharded.all_gather_node is not None:
+                self._register_post_backward(self.unsharded)
+        elif self.unsharded.is_freed:
+            self._refill(self.unsharded)
+        for fsdp_param, tensor in zip(self.fsdp_params, self.unsharded.tensors):
+            fsdp_param.register_unsharded(tensor)
+        return self.unsharded
+
+    def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
+        return (
+            unsharded.all_gather_node is None
+            and torch.is_grad_enabled()
+            and any(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
+        )
+
+    def reshard(self) -> None:
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.register_sharded()
+        if self.unsharded is not None:
+            self.unsharded.free()
+            self.unsharded = None
+
+    def _refill(self, unsharded: UnshardedParams) -> None:
+        with torch.no_grad():
+            fresh, _ = self._all_gather()
+        unsharded.refill(fresh)
+
+    def pre_forward(self) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # activation-checkpoint recompute: parameters are already unsharded
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+
+    def post_forward(self, output: Any) -> Any:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return output
+        self.training_state = TrainingState.IDLE
+        unsharded = self.unsharded
+        if unsharded is None:
+            return output
+        if unsharded.all_gather_node is not None:
+            self._register_pre_backward(output, unsharded)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.register_sharded()
+        if self.reshard_after_forward:
+            self.reshard()
+        return output
+
+    def _register_pre_backward(self, output: Any, unsharded: UnshardedParams) -> None:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.pre_backward(unsharded)
+            return grad
+
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(hook)
+
+    def _register_post_backward(self, unsharded: UnshardedParams) -> None:
+        def hook(grad_inputs, grad_outputs):
+            self.post_backward(unsharded)
+
+        unsharded.all_gather_node.register_hook(hook)
+
+    def pre_backward(self, unsharded: UnshardedParams) -> None:
+        if unsharded.backward_done:
+            raise RuntimeError(
+                f"fully_shard({self.module_name}): backward ran a second time through the same forward. "
+                "fully_shard frees the unsharded parameters and reduce-scatters the gradients after the "
+                "first backward; run forward again before each backward instead of retain_graph=True"
+            )
+        if self.training_state is TrainingState.PRE_BACKWARD and self.unsharded is unsharded:
+            return
+        if unsharded.is_freed:
+            self._refill(unsharded)
+        self.unsharded = unsharded
+        for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
+            fsdp_param.register_unsharded(tensor)
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def post_backward(self, unsharded: UnshardedParams) -> None:
+        unsharded.backward_done = True
+        unsharded.free()
+        if self.unsharded is unsharded:
+            self.unsharded = None
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.register_sharded()
+        self.training_state = TrainingState.IDLE
+
+    def finalize_backward(self) -> None:
+        """Reshards a group whose all-gather received no gradient in this backward."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def live_unsharded_bytes(self) -> int:
+        """Bytes of unsharded storage this group currently holds alive (for tests)."""
+        self._live = [ref for ref in self._live if ref() is not None]
+        return sum(ref().live_bytes() for ref in self._live)

@@ -1,0 +1,109 @@
+"""One parameter under fully_shard: its dim-0 shard, the padded storage behind it,
+and the modules that use it."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from . import ops
+
+
+@dataclass(frozen=True)
+class ParamUsage:
+    """A place where a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+class FSDPParam:
+    """The sharded form of one original parameter.
+
+    [Note: sharded storage]
+    ``sharded_param`` is an ``nn.Parameter`` wrapping a DTensor (``Shard(0)``), which
+    is what the optimizer, ``clip_grad_norm_`` and ``state_dict()`` see. Its local
+    tensor is a view of ``padded_sharded_data``, a buffer of ``padded_rows`` rows that
+    every rank allocates with the same size, so the all-gather input needs no
+    padding copy beyond flattening and the all-gather is rank independent. Rows past
+    the rank's real shard are padding: never visible to the user, never read back.
+    When something outside fully_shard replaces the local tensor's storage (for
+    example ``model.to_empty()`` after meta-device init), ``reset_sharded_param``
+    copies the new values into fresh padded storage and re-points the same local
+    tensor at it with ``fsdp::set_``, so any object holding the local tensor (an
+    optimizer state, a state dict) stays valid.
+    """
+
+    def __init__(self, param: nn.Parameter, fqn: str, usages: list[ParamUsage], mesh: DeviceMesh):
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
+                "reshape it to shape (1,) or keep it out of fully_shard"
+            )
+        self.fqn = fqn
+        self.usages = usages
+        # Weak: only to recognize the parameter if another module still uses it.
+        self.original_param = weakref.ref(param)
+        self.mesh = mesh
+        self.world_size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.unsharded_shape = param.shape
+        self.padded_rows = math.ceil(param.size(0) / self.world_size)
+        self.padded_numel = self.padded_rows * math.prod(param.shape[1:])
+        start = min(self.rank * self.padded_rows, param.size(0))
+        end = min(start + self.padded_rows, param.size(0))
+        self.shard_rows = end - start
+        self.padded_sharded_data = param.new_zeros((self.padded_rows, *param.shape[1:]))
+        with torch.no_grad():
+            self.padded_sharded_data[: self.shard_rows].copy_(param[start:end])
+        local_tensor = self.padded_sharded_data[: self.shard_rows]
+        sharded = DTensor.from_local(
+            local_tensor, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+        )
+        self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
+
+    @property
+    def local_tensor(self) -> torch.Tensor:
+        return self.sharded_param._local_tensor
+
+    def register_sharded(self) -> None:
+        for usage in self.usages:
+            usage.module._parameters[usage.name] = self.sharded_param
+
+    def register_unsharded(self, unsharded: torch.Tensor) -> None:
+        for usage in self.usages:
+            usage.module._parameters[usage.name] = unsharded
+
+    def validate_device(self, device_type: str) -> None:
+        local_tensor = self.local_tensor
+        if local_tensor.is_meta:
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} is still on the meta device at the first forward. "
+                f"Materialize it first, e.g. module.to_empty(device={device_type!r}) and then initialize "
+                "the values (reset_parameters() or load a state dict)"
+            )
+        if local_tensor.device.type != device_type:
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} is on {local_tensor.device} but the mesh covers "
+                f"{device_type!r} devices. Move the module with module.to({device_type!r}) before its forward"
+            )
+
+    def reset_sharded_param(self) -> None:
+        """Re-establishes the [Note: sharded storage] invariant after an outside change."""
+        local_tensor = self.local_tensor
+        if (
+            local_tensor.untyped_storage().data_ptr() == self.padded_sharded_data.untyped_storage().data_ptr()
+            and local_tensor.dtype == self.padded_sharded_data.dtype
+        ):
+            return
+        padded = local_tensor.new_zeros((self.padded_rows, *local_tensor.shape[1:]))
+        with torch.no_grad():
+            padded[: self.shard_rows].copy_(local_tensor)
+        ops.set_(local_tensor, padded[: self.shard_rows])
+        self.padded_sharded_data = padded

@@ -1,0 +1,205 @@
+"""The ``fsdp`` op library: every collective and storage operation of the runtime.
+
+The runtime (eager and traced) calls these ops and nothing else for sharding, so
+Dynamo records them by name and the pass suite (``compile_shard.passes``) can find,
+rewrite and lower them. Each op has CPU, CUDA and Meta kernels; the differentiable
+ones have autograd formulas, the mutating ones a Functionalize kernel that keeps
+AOTAutograd's functional-graph check satisfied.
+
+[Note: op signatures are rank independent]
+No op takes a rank. A rank argument would make every rank's graph different; the
+collectives take ``world_size`` and a process-group name instead, like
+``_c10d_functional``. Padding is expressed as the per-parameter *padded* shard numel,
+which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.library import Library
+
+__all__ = ["all_gather_into", "reduce_scatter_grad", "set_", "resize_storage_"]
+
+_lib = Library("fsdp", "FRAGMENT")  # torch.distributed.fsdp owns other fsdp:: names
+
+_lib.define(
+    "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
+    "str group_name) -> Tensor"
+)
+_lib.define(
+    "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
+    "str reduce_op='avg') -> Tensor"
+)
+_lib.define("set_(Tensor(a!) tensor, Tensor source) -> ()")
+# [Note: resize_storage_ schema]
+# The schema carries no alias annotation on purpose. A storage resize has no
+# functional equivalent, and AOTAutograd asserts a functional joint graph before any
+# pass runs; an annotated mutation whose Functionalize kernel re-dispatches fails that
+# assert. torch's own ``inductor::resize_storage_bytes_`` uses the same trick. The op
+# is marked side-effectful below so dead-code elimination keeps it, and the passes
+# remove every occurrence before lowering, so no alias analysis ever relies on it.
+_lib.define("resize_storage_(Tensor tensor, SymInt nbytes) -> ()")
+torch.fx.node.has_side_effect(torch.ops.fsdp.resize_storage_.default)
+
+_BACKEND_KEYS = ("CPU", "CUDA")
+_REDUCE_OPS = ("avg", "sum")
+
+
+def _copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> torch.Tensor:
+    """Flattens, pads and concatenates one rank's shards: the all-gather input."""
+    return torch.cat(
+        [F.pad(shard.reshape(-1), (0, numel - shard.numel())) for shard, numel in zip(shards, padded_numels)]
+    )
+
+
+def _check_shards(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> None:
+    torch._check(len(shards) > 0, lambda: "fsdp::all_gather_into needs at least one shard")
+    torch._check(
+        len(shards) == len(padded_numels),
+        lambda: f"fsdp::all_gather_into got {len(shards)} shards but {len(padded_numels)} padded numels",
+    )
+    dtypes = {shard.dtype for shard in shards}
+    torch._check(len(dtypes) == 1, lambda: f"fsdp::all_gather_into needs one dtype, got {sorted(map(str, dtypes))}")
+
+
+# all_gather_into ---------------------------------------------------------------------
+
+
+def _all_gather_into_kernel(shards, padded_numels, world_size, group_name):
+    _check_shards(shards, padded_numels)
+    all_gather_input = _copy_in(shards, padded_numels)
+    all_gather_output = torch.ops._c10d_functional.all_gather_into_tensor(all_gather_input, world_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(all_gather_output)
+
+
+def _all_gather_into_meta(shards, padded_numels, world_size, group_name):
+    _check_shards(shards, padded_numels)
+    return shards[0].new_empty(world_size * sum(padded_numels))
+
+
+def _all_gather_into_setup_context(ctx, inputs, output):
+    shards, padded_numels, world_size, group_name = inputs
+    ctx.shard_shapes = [shard.shape for shard in shards]
+    ctx.padded_numels = padded_numels
+    ctx.world_size = world_size
+    ctx.group_name = group_name
+
+
+def _all_gather_into_backward(ctx, all_gather_output_grad):
+    """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction."""
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
+        all_gather_output_grad.contiguous(), ctx.world_size, ctx.group_name, "avg"
+    )
+    shard_grads = [
+        padded_grad[: shape.numel()].view(shape)
+        for padded_grad, shape in zip(sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes)
+    ]
+    return shard_grads, None, None, None
+
+
+# reduce_scatter_grad -----------------------------------------------------------------
+
+
+def _check_reduce_op(reduce_op: str) -> None:
+    torch._check(reduce_op in _REDUCE_OPS, lambda: f"fsdp::reduce_scatter_grad: reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}")
+
+
+def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg"):
+    _check_reduce_op(reduce_op)
+    # Reduce with a sum and divide after: gloo has no AVG, and NCCL's pre/post-divide
+    # choice belongs to the reduce-dtype work of mixed precision.
+    sharded_grad = torch.ops._c10d_functional.reduce_scatter_tensor(unsharded_grad, "sum", world_size, group_name)
+    sharded_grad = torch.ops._c10d_functional.wait_tensor(sharded_grad)
+    if reduce_op == "avg":
+        sharded_grad = sharded_grad.div_(world_size)
+    return sharded_grad
+
+
+def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg"):
+    _check_reduce_op(reduce_op)
+    torch._check(
+        unsharded_grad.numel() % world_size == 0,
+        lambda: f"fsdp::reduce_scatter_grad: numel {unsharded_grad.numel()} is not divisible by world size {world_size}",
+    )
+    return unsharded_grad.new_empty(unsharded_grad.numel() // world_size)
+
+
+def _reduce_scatter_grad_setup_context(ctx, inputs, output):
+    _, ctx.world_size, ctx.group_name, ctx.reduce_op = inputs
+
+
+def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
+    gathered = torch.ops.fsdp.all_gather_into(
+        [sharded_grad_grad], [sharded_grad_grad.numel()], ctx.world_size, ctx.group_name
+    )
+    if ctx.reduce_op == "avg":
+        gathered = gathered / ctx.world_size
+    return gathered, None, None, None
+
+
+# set_ --------------------------------------------------------------------------------
+
+
+def _set_kernel(tensor, source):
+    with torch.no_grad():
+        tensor.set_(source)
+
+
+def _set_functionalize(tensor, source):
+    # aten.set_ on functional tensors is one of the mutations AOTAutograd accepts on
+    # graph inputs, so the op is expressed as exactly that.
+    torch.ops.aten.set_.source_Tensor(tensor, source)
+
+
+# resize_storage_ ---------------------------------------------------------------------
+
+
+def _resize_storage_kernel(tensor, nbytes):
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _resize_storage_meta(tensor, nbytes):
+    return None
+
+
+def _resize_storage_functionalize(tensor, nbytes):
+    torch._sync(tensor)
+    inner = torch._from_functional_tensor(tensor)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+        torch.ops.fsdp.resize_storage_.default(inner, nbytes)
+
+
+for _key in _BACKEND_KEYS:
+    _lib.impl("all_gather_into", _all_gather_into_kernel, _key)
+    _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_kernel, _key)
+    _lib.impl("set_", _set_kernel, _key)
+    _lib.impl("resize_storage_", _resize_storage_kernel, _key)
+_lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
+_lib.impl("reduce_scatter_grad", _reduce_scatter_grad_meta, "Meta")
+_lib.impl("set_", _set_kernel, "Meta")
+_lib.impl("resize_storage_", _resize_storage_meta, "Meta")
+_lib.impl("set_", _set_functionalize, "Functionalize")
+_lib.impl("resize_storage_", _resize_storage_functionalize, "Functionalize")
+
+torch.library.register_fake("fsdp::all_gather_into", _all_gather_into_meta, lib=_lib)
+torch.library.register_fake("fsdp::reduce_scatter_grad", _reduce_scatter_grad_meta, lib=_lib)
+torch.library.register_fake("fsdp::resize_storage_", _resize_storage_meta, lib=_lib)
+torch.library.register_autograd(
+    "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
+)
+torch.library.register_autograd(
+    "fsdp::reduce_scatter_grad",
+    _reduce_scatter_grad_backward,
+    setup_context=_reduce_scatter_grad_setup_context,
+    lib=_lib,
+)
+
+all_gather_into = torch.ops.fsdp.all_gather_into.default
+reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
+set_ = torch.ops.fsdp.set_.default
+resize_storage_ = torch.ops.fsdp.resize_storage_.default

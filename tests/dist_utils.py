@@ -1,0 +1,77 @@
+"""Spawning gloo process groups and building the parity setups shared by tests."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from compile_shard import fully_shard
+from compile_shard.models import Llama, LlamaConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world_size: int, *args) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises failures."""
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+class FakeProcessGroup:
+    """Context manager: a single-process fake process group of any world size."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+
+    def __enter__(self):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        return self
+
+    def __exit__(self, *exc):
+        dist.destroy_process_group()
+
+
+def tmp_path_for_workers() -> str:
+    return tempfile.mkdtemp(prefix="compile_shard_test_")
+
+
+def build_sharded_llama(config: LlamaConfig, *, seed: int = 0, block_reshard=None, root_reshard=None, shard=fully_shard):
+    """Returns (sharded model, unsharded reference) initialized identically."""
+    torch.manual_seed(seed)
+    model = Llama(config)
+    reference = copy.deepcopy(model)
+    for block in model.layers:
+        shard(block, reshard_after_forward=block_reshard)
+    shard(model, reshard_after_forward=root_reshard)
+    return model, reference
+
+
+def global_batch(step: int, world_size: int, batch_per_rank: int, seq: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, vocab, (world_size * batch_per_rank, seq + 1), generator=generator)
+
+
+def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())

@@ -1,0 +1,39 @@
+"""Collectives per training step equal torch FSDP2's for the same wrapping."""
+
+import pytest
+import torch
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from compile_shard import fully_shard
+from compile_shard.debug import CollectiveCounter
+from compile_shard.models import LlamaConfig
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
+
+WRAPPINGS = [
+    pytest.param(False, None, None, id="default"),
+    pytest.param(False, False, False, id="no_reshard"),
+    pytest.param(False, True, True, id="all_reshard"),
+    pytest.param(True, None, None, id="checkpointed_blocks"),
+]
+
+
+def _step_counts(shard, checkpoint_blocks, block_reshard, root_reshard):
+    config = LlamaConfig(n_layers=3, checkpoint_blocks=checkpoint_blocks)
+    model, _ = build_sharded_llama(config, shard=shard, block_reshard=block_reshard, root_reshard=root_reshard)
+    tokens = torch.randint(0, config.vocab_size, (2, 9))
+    lm_loss(model, tokens).backward()  # first step: lazy init outside the count
+    with CollectiveCounter() as counter:
+        lm_loss(model, tokens).backward()
+    return dict(counter.counts)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("checkpoint_blocks, block_reshard, root_reshard", WRAPPINGS)
+def test_collectives_per_step_equal_torch_fsdp2(world_size, checkpoint_blocks, block_reshard, root_reshard):
+    with FakeProcessGroup(world_size):
+        ours = _step_counts(fully_shard, checkpoint_blocks, block_reshard, root_reshard)
+        theirs = _step_counts(torch_fully_shard, checkpoint_blocks, block_reshard, root_reshard)
+    assert ours == theirs
+    groups, resharded_blocks = 4, 3 if block_reshard is not False else 0
+    resharded_root = 1 if root_reshard else 0
+    assert ours == {"all_gather": groups + resharded_blocks + resharded_root, "reduce_scatter": groups}

@@ -1,0 +1,100 @@
+"""Bad input gets a clear error naming the module or parameter and the fix."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from compile_shard import fully_shard
+from compile_shard.models import Llama, LlamaConfig
+from dist_utils import FakeProcessGroup
+
+
+@pytest.fixture(autouse=True)
+def fake_pg():
+    with FakeProcessGroup(4):
+        yield
+
+
+def test_sharding_a_module_twice():
+    block = nn.Linear(4, 4)
+    fully_shard(block)
+    with pytest.raises(ValueError, match=r"already applied to this Linear; apply it once per module"):
+        fully_shard(block)
+
+
+def test_parameters_still_on_meta_at_first_forward():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model)  # sharding on meta is fine: it is how large models are initialized
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is still on the meta device.*to_empty"):
+        model(torch.randn(2, 4))
+
+
+def test_meta_init_then_to_empty_works():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    out = model(torch.ones(2, 4))
+    assert out.shape == (2, 4) and model[0].weight.full_tensor().shape == (4, 4)
+
+
+def test_parameters_on_a_device_the_mesh_does_not_cover():
+    model = nn.Linear(4, 4)
+    cuda_mesh = DeviceMesh("cuda", list(range(4)))
+    with pytest.raises(ValueError, match=r"parameter 'weight' is on cpu but the mesh covers 'cuda'.*move the module"):
+        fully_shard(model, mesh=cuda_mesh)
+
+
+def test_mesh_that_is_not_1d():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"expected a 1-D DeviceMesh, got a 2-D mesh.*mesh\[dim_name\]"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_mixed_dtypes_in_one_group():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    with pytest.raises(ValueError, match=r"torch.float32: 0.weight, 0.bias; torch.float64: 1.weight, 1.bias"):
+        fully_shard(model)
+    fully_shard(model[1])  # the documented fix: shard the odd submodule first
+    fully_shard(model)
+
+
+def test_backward_twice_without_forward():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    loss = model(torch.randn(2, 4)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"fully_shard\(Sequential\): backward ran a second time.*forward again"):
+        loss.backward()
+
+
+def test_parameter_shared_across_groups():
+    model = Llama(LlamaConfig(n_layers=1))
+    model.layers[0].feed_forward.w1.weight = model.layers[0].feed_forward.w3.weight
+    model.norm.weight = model.layers[0].ffn_norm.weight
+    fully_shard(model.layers[0])
+    with pytest.raises(ValueError, match=r"parameter 'norm.weight' is already sharded.*common ancestor"):
+        fully_shard(model)
+
+
+def test_reshard_after_forward_int_is_rejected():
+    with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or None"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
+
+
+def test_fully_shard_without_process_group():
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    try:
+        with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized"):
+            fully_shard(nn.Linear(4, 4))
+    finally:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)

@@ -1,0 +1,87 @@
+"""Eager memory semantics like FSDP2: unsharded storage freed after forward
+(when resharding) and after backward."""
+
+import pytest
+import torch
+
+from compile_shard.debug import unsharded_bytes
+from compile_shard.models import LlamaConfig
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
+
+CONFIG = LlamaConfig(n_layers=3)
+WORLD_SIZE = 2
+
+
+def _unsharded_storage_bytes(param) -> int:
+    """The copy-out of an all-gather: world_size padded shards of the parameter."""
+    padded_rows = -(-param.shape[0] // WORLD_SIZE)
+    return WORLD_SIZE * padded_rows * param[0].numel() * param.element_size()
+
+
+class SavedTensorBytes:
+    """Bytes of distinct storages autograd saved for backward, read when asked."""
+
+    def __init__(self):
+        self.saved = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor):
+        self.saved.append(tensor)
+        return tensor
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def live_bytes(self) -> int:
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.saved}
+        return sum(storages.values())
+
+
+def _forward_then_backward(reshard):
+    model, _ = build_sharded_llama(CONFIG, block_reshard=reshard, root_reshard=reshard)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    with SavedTensorBytes() as saved:
+        loss = lm_loss(model, tokens)
+    between = unsharded_bytes(model), saved.live_bytes()
+    loss.backward()
+    after = unsharded_bytes(model)
+    return model, between, after
+
+
+@pytest.fixture(autouse=True)
+def fake_pg():
+    with FakeProcessGroup(WORLD_SIZE):
+        yield
+
+
+def test_reshard_after_forward_frees_unsharded_storage():
+    model, (live_resharded, saved_resharded), after = _forward_then_backward(reshard=True)
+    _, (live_kept, saved_kept), _ = _forward_then_backward(reshard=False)
+    all_unsharded = sum(_unsharded_storage_bytes(p) for p in model.parameters())
+    assert live_resharded == 0
+    assert live_kept == all_unsharded
+    # Measured independently of the runtime's bookkeeping: autograd's saved tensors.
+    assert saved_kept - saved_resharded == all_unsharded
+    assert after == 0
+
+
+def test_default_keeps_only_root_between_forward_and_backward():
+    model, (live, _), after = _forward_then_backward(reshard=None)
+    root_params = [model.tok_embeddings.weight, model.norm.weight]
+    assert live == sum(_unsharded_storage_bytes(p) for p in root_params)
+    assert after == 0
+
+
+def test_no_reshard_frees_everything_after_backward():
+    _, (live, _), after = _forward_then_backward(reshard=False)
+    assert live > 0 and after == 0
+
+
+def test_unsharded_storage_is_regathered_for_backward():
+    """Backward reads the freed storages (a 0-byte storage raises): they were refilled."""
+    model, _, _ = _forward_then_backward(reshard=True)
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())

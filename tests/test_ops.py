@@ -1,0 +1,126 @@
+"""The ``fsdp`` op library: opcheck, real gloo kernels, and functionalization."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.library import opcheck
+
+import compile_shard  # noqa: F401  (registers the ops)
+from dist_utils import FakeProcessGroup, run_gloo
+
+
+@pytest.fixture
+def fake_pg():
+    with FakeProcessGroup(2) as pg:
+        yield dist.group.WORLD.group_name
+
+
+def _uneven_shards():
+    return [torch.randn(3, 4, requires_grad=True), torch.randn(2, requires_grad=True)]
+
+
+def test_opcheck_all_gather_into(fake_pg):
+    opcheck(torch.ops.fsdp.all_gather_into.default, (_uneven_shards(), [16, 3], 2, fake_pg))
+
+
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_opcheck_reduce_scatter_grad(fake_pg, reduce_op):
+    opcheck(torch.ops.fsdp.reduce_scatter_grad.default, (torch.randn(10, requires_grad=True), 2, fake_pg, reduce_op))
+
+
+def test_opcheck_set_():
+    opcheck(torch.ops.fsdp.set_.default, (torch.randn(4), torch.randn(2, 3)))
+
+
+@pytest.mark.parametrize("nbytes", [16, 64])
+def test_opcheck_resize_storage_(nbytes):
+    opcheck(torch.ops.fsdp.resize_storage_.default, (torch.randn(4), nbytes))
+
+
+def test_opcheck_resize_storage_to_zero():
+    # test_schema reads the argument's data after the call, which a freed storage no
+    # longer has (it crashes instead of failing); the schema hides this mutation by
+    # design, see [Note: resize_storage_ schema].
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    opcheck(torch.ops.fsdp.resize_storage_.default, (torch.randn(4), 0), test_utils=utils)
+
+
+def test_set_points_tensor_at_source_storage():
+    tensor, source = torch.zeros(4), torch.arange(6.0).view(2, 3)
+    torch.ops.fsdp.set_(tensor, source[1:])
+    assert tensor.shape == (1, 3)
+    assert tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+    assert tensor.tolist() == [[3.0, 4.0, 5.0]]
+
+
+def test_resize_storage_frees_and_regrows_same_storage():
+    tensor = torch.randn(8)
+    view = tensor.t()  # a view saved by autograd must see the regrown storage
+    torch.ops.fsdp.resize_storage_(tensor, 0)
+    assert tensor.untyped_storage().nbytes() == 0 and view.untyped_storage().nbytes() == 0
+    torch.ops.fsdp.resize_storage_(tensor, 32)
+    tensor.copy_(torch.arange(8.0))
+    assert view.tolist() == list(map(float, range(8)))
+
+
+def test_mutating_ops_pass_aot_functional_check():
+    """AOTAutograd asserts a functional graph: both mutations must survive it, and
+    the storage resize must stay in the graph (it is side-effectful, DCE keeps it)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    def fn(x, source):
+        scratch = x * 2
+        total = scratch.sum()
+        torch.ops.fsdp.resize_storage_(scratch, 0)
+        torch.ops.fsdp.set_(x, source)
+        return total
+
+    x, source = torch.randn(4), torch.randn(4)
+    expected = (x * 2).sum()
+    backend = aot_autograd(fw_compiler=capture, keep_inference_input_mutations=True)
+    total = torch.compile(fn, backend=backend, fullgraph=True)(x, source)
+    assert torch.equal(total, expected) and torch.equal(x, source)
+    targets = {node.target for node in graphs[0].graph.nodes}
+    assert torch.ops.fsdp.resize_storage_.default in targets
+    assert torch.ops.aten.set_.source_Tensor in targets  # fsdp::set_ functionalizes to aten.set_
+
+
+def _gloo_kernels(rank, world_size):
+    group_name = dist.group.WORLD.group_name
+    # Uneven shards: rank r's first shard has r + 1 rows of a padded 3-row shard.
+    shards = [torch.full((rank + 1, 2), float(rank)), torch.full((1,), 10.0 + rank)]
+    padded_numels = [6, 1]
+    out = torch.ops.fsdp.all_gather_into(shards, padded_numels, world_size, group_name)
+    per_rank = out.view(world_size, 7)
+    for r in range(world_size):
+        expected_rows = torch.cat([torch.full((r + 1, 2), float(r)), torch.zeros(2 - r, 2)]).flatten()
+        assert torch.equal(per_rank[r, :6], expected_rows), (r, per_rank[r])
+        assert per_rank[r, 6].item() == 10.0 + r
+
+    grad = torch.arange(world_size * 4, dtype=torch.float32) * (rank + 1)
+    summed = torch.ops.fsdp.reduce_scatter_grad(grad, world_size, group_name, "sum")
+    total = sum(r + 1 for r in range(world_size))
+    expected = torch.arange(world_size * 4, dtype=torch.float32).view(world_size, 4)[rank] * total
+    assert torch.equal(summed, expected)
+    averaged = torch.ops.fsdp.reduce_scatter_grad(grad, world_size, group_name, "avg")
+    torch.testing.assert_close(averaged, expected / world_size)
+
+    # The all-gather's backward is the averaging reduce-scatter, back into each shard.
+    shards = [torch.randn(rank + 1, 2, requires_grad=True), torch.randn(1, requires_grad=True)]
+    out = torch.ops.fsdp.all_gather_into(shards, padded_numels, world_size, group_name)
+    weights = torch.arange(out.numel(), dtype=torch.float32)
+    (out * weights * (rank + 1)).sum().backward()
+    expected_grad = weights.view(world_size, 7)[rank] * total / world_size
+    torch.testing.assert_close(shards[0].grad, expected_grad[: 2 * (rank + 1)].view(rank + 1, 2))
+    torch.testing.assert_close(shards[1].grad, expected_grad[6:7])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collective_kernels_on_gloo(world_size):
+    run_gloo(_gloo_kernels, world_size)

@@ -1,0 +1,72 @@
+"""Eager numerics: fully_shard on gloo vs an unsharded single-process reference.
+
+[Note: parity tolerance]
+Per-step losses match the reference within 1e-6. Final parameters after 5 AdamW
+steps match it within 1e-6 at world size 2 and within 5e-6 at world size 3: the
+gradient is reduced in a different order than the reference's single matmul (per-rank
+means, then a sum across ranks), and AdamW's normalization m / sqrt(v) turns that last-
+bit difference into a visible one for entries whose gradient is close to zero. torch's
+own FSDP2 shows the identical deviation; compile_shard is checked to be bit-identical
+to torch FSDP2 on the same wrapping, which is the exactness claim.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from compile_shard.models import LlamaConfig
+from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
+
+STEPS = 5
+BATCH_PER_RANK = 2
+SEQ = 16
+PARAM_TOLERANCE = {2: 1e-6, 3: 5e-6}
+
+
+def _train_step(model, optimizer, tokens):
+    loss = lm_loss(model, tokens)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def _parity_worker(rank, world_size, checkpoint_blocks, block_reshard, root_reshard):
+    config = LlamaConfig(checkpoint_blocks=checkpoint_blocks)
+    kwargs = dict(block_reshard=block_reshard, root_reshard=root_reshard)
+    model, reference = build_sharded_llama(config, **kwargs)
+    torch_fsdp, _ = build_sharded_llama(config, shard=torch_fully_shard, **kwargs)
+    models = (model, torch_fsdp, reference)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    local = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    for step in range(STEPS):
+        tokens = global_batch(step, world_size, BATCH_PER_RANK, SEQ, config.vocab_size)
+        loss, torch_loss = (_train_step(m, opt, tokens[local]) for m, opt in zip(models[:2], optimizers[:2]))
+        reference_loss = _train_step(reference, optimizers[2], tokens)
+        assert torch.equal(loss, torch_loss), (step, loss, torch_loss)
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss / world_size, reference_loss, rtol=0, atol=1e-6)
+
+    names = [name for name, _ in reference.named_parameters()]
+    assert [name for name, _ in model.named_parameters()] == names
+    for name, param, torch_param, reference_param in zip(
+        names, model.parameters(), torch_fsdp.parameters(), reference.parameters()
+    ):
+        full = param.full_tensor()
+        assert torch.equal(full, torch_param.full_tensor()), f"{name} differs from torch FSDP2"
+        torch.testing.assert_close(full, reference_param, rtol=0, atol=PARAM_TOLERANCE[world_size], msg=name)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "checkpoint_blocks, block_reshard, root_reshard",
+    [
+        pytest.param(False, None, None, id="default"),
+        pytest.param(False, False, False, id="no_reshard"),
+        pytest.param(True, None, None, id="checkpointed_blocks"),
+        pytest.param(True, True, True, id="checkpointed_all_reshard"),
+    ],
+)
+def test_llama_matches_reference_and_torch_fsdp2(world_size, checkpoint_blocks, block_reshard, root_reshard):
+    run_gloo(_parity_worker, world_size, checkpoint_blocks, block_reshard, root_reshard)
