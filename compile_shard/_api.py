@@ -19,62 +19,63 @@ _STATE_ATTR = "_compile_shard_state"
 
 
 class FSDPState:
-    """Per-module state of ``fully_shard``: hooks, lazy init and the root's duties."""
+    """Per-module state of ``fully_shard``: the group, root duties, forward wrapping."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, group: FSDPParamGroup | None, reshard_after_forward):
         self.module = module
         self.mesh = mesh
         self.group = group
         self.reshard_after_forward = reshard_after_forward
-        self.is_root: bool | None = None
+        self.is_root = True
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
 
-    # Lazy init: the first module to run forward is the root --------------------------
+    def claim_root(self) -> None:
+        """Makes this state the root of every fully_shard state below it.
 
-    def _lazy_init(self) -> None:
-        if self.is_root is not None:
-            return
-        self.is_root = True
+        [Note: the root is known at fully_shard time]
+        FSDP2 picks the root lazily, at the first forward. Here the root is simply
+        the fully_shard module with no fully_shard ancestor: ``fully_shard`` is
+        applied bottom-up, so each call demotes the roots below it. Deciding it
+        eagerly keeps the first forward free of one-time Python side effects, which
+        a torch.compile trace would have to guard on (and recompile for on the
+        second step).
+        """
+        fqns = {id(param): fqn for fqn, param in self.module.named_parameters()}
+        self.subtree_states = []
         for name, submodule in self.module.named_modules():
             state = _get_state(submodule)
             if state is None:
                 continue
-            if submodule is not self.module:
-                if state.is_root is not None:
-                    raise RuntimeError(
-                        f"fully_shard: {name!r} ran forward before the root {_label(self.module)}; "
-                        "run forward through the root module first"
-                    )
-                state.is_root = False
+            state.is_root = state is self
             self.subtree_states.append(state)
-            if state.group is not None:
-                state.group.module_name = name or _label(self.module)
-        fqns = {id(param): fqn for fqn, param in self.module.named_parameters()}
-        for state in self.subtree_states:
             if state.group is None:
                 continue
-            if state is self and state.reshard_after_forward is None:
-                state.group.reshard_after_forward = False  # FSDP2: the root is needed right away in backward
+            state.group.module_name = name or _label(self.module)
+            state.group.reshard_after_forward = state.resolved_reshard_after_forward()
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
-                fsdp_param.validate_device(self.mesh.device_type)
-                fsdp_param.reset_sharded_param()
 
-    # Hooks ------------------------------------------------------------------------
+    def resolved_reshard_after_forward(self) -> bool:
+        if self.reshard_after_forward is None:
+            return not self.is_root  # FSDP2: the root is needed right away in backward
+        return self.reshard_after_forward
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self._lazy_init()
+    # Around the module's forward -----------------------------------------------------
+
+    def pre_forward(self) -> None:
+        if self.is_root:
+            for state in self.subtree_states:
+                if state.group is not None:
+                    for fsdp_param in state.group.fsdp_params:
+                        fsdp_param.validate_device(self.mesh.device_type)
         if self.group is not None:
             self.group.pre_forward()
-        return args, kwargs
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def post_forward(self, output: Any) -> Any:
         if self.group is not None:
             output = self.group.post_forward(output)
-        if self.is_root and torch.is_grad_enabled():
+        if self.is_root and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._register_root_pre_backward(output)
         return output
 
@@ -101,7 +102,21 @@ def _get_state(module: nn.Module) -> FSDPState | None:
 
 
 class FSDPModule:
-    """Mixed into the class of every module passed to :func:`fully_shard`."""
+    """Mixed into the class of every module passed to :func:`fully_shard`.
+
+    [Note: forward wrapper instead of hooks]
+    FSDP2 unshards in a forward pre-hook. compile_shard wraps ``forward`` instead:
+    ``torch.compile(model)`` runs the root module's hooks outside the compiled
+    frame (each becomes a graph of its own), while the root's ``forward`` is the
+    compiled frame itself. Wrapping ``forward`` puts the root's all-gather in the one
+    forward graph, and behaves the same in eager mode.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self._fsdp_state()
+        state.pre_forward()
+        output = super().forward(*args, **kwargs)  # type: ignore[misc]
+        return state.post_forward(output)
 
     def _fsdp_state(self) -> FSDPState:
         return cast(FSDPState, _get_state(cast(nn.Module, self)))
@@ -122,6 +137,16 @@ class FSDPModule:
         if group is not None:
             group.reshard()
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """``module.to(...)``, ``to_empty(...)``: re-pads shards whose storage was replaced."""
+        self.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        group = self._fsdp_state().group
+        if group is not None:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+        return result
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Sets whether the unsharded parameters are freed after forward (and re-gathered in backward)."""
         modules = cast(nn.Module, self).modules() if recurse else [self]
@@ -130,7 +155,7 @@ class FSDPModule:
             if state is not None:
                 state.reshard_after_forward = reshard_after_forward
                 if state.group is not None:
-                    state.group.reshard_after_forward = reshard_after_forward
+                    state.group.reshard_after_forward = state.resolved_reshard_after_forward()
 
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -248,14 +273,14 @@ def fully_shard(
         fsdp_params = [
             FSDPParam(param, fqn, usage, mesh) for (fqn, param), usage in zip(named.items(), usages.values())
         ]
-        for fsdp_param in fsdp_params:
-            fsdp_param.register_sharded()
         group = FSDPParamGroup(
             fsdp_params,
             _label(module),
             mesh,
-            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+            reshard_after_forward=reshard_after_forward is not False,
         )
-    module.__dict__[_STATE_ATTR] = FSDPState(module, mesh, group, reshard_after_forward)
+    state = FSDPState(module, mesh, group, reshard_after_forward)
+    module.__dict__[_STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))
+    state.claim_root()
     return cast(FSDPModule, module)

@@ -15,6 +15,10 @@ from . import ops
 from ._param import FSDPParam
 
 
+# Key of node.meta["custom"] on the nodes of a group's traced all-gather.
+GROUP_ANNOTATION = "compile_shard_group"
+
+
 class TrainingState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()
@@ -76,6 +80,8 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
     ):
         self.fsdp_params = fsdp_params
+        for index, fsdp_param in enumerate(fsdp_params):
+            fsdp_param.group, fsdp_param.index = self, index
         self.module_name = module_name
         self.mesh = mesh
         self.world_size = mesh.size()
@@ -99,6 +105,28 @@ class FSDPParamGroup:
         ]
         return unsharded, all_gather_output
 
+    def traced_unsharded_params(self) -> list[torch.Tensor]:
+        """The group's unsharded parameters inside a torch.compile trace.
+
+        [Note: traced unshard]
+        Eager mode unshards once in the forward wrapper and keeps Python state (the
+        gathered tensors, their storage, hooks) that backward needs. A trace can hold
+        none of that: state written inside an activation-checkpoint region is a side
+        effect Dynamo rejects, and storage resizing has no functional form. So while
+        compiling, every read of a managed parameter calls the (pure, differentiable)
+        all-gather of its whole group; AOTAutograd's CSE merges the repeated gathers
+        into one per group and forward, and the pass suite then decides, per group,
+        what eager's storage management decided: save the unsharded parameters or
+        re-gather them in backward.
+        """
+        with torch.fx.traceback.annotate({GROUP_ANNOTATION: self.annotation()}):
+            tensors, _ = self._all_gather()
+        return tensors
+
+    def annotation(self) -> dict[str, Any]:
+        """What the pass suite learns about this group from the traced graph."""
+        return {"group": self.module_name, "reshard_after_forward": self.reshard_after_forward}
+
     # Lifecycle --------------------------------------------------------------------
 
     def unshard(self) -> UnshardedParams:
@@ -113,7 +141,7 @@ class FSDPParamGroup:
         elif self.unsharded.is_freed:
             self._refill(self.unsharded)
         for fsdp_param, tensor in zip(self.fsdp_params, self.unsharded.tensors):
-            fsdp_param.register_unsharded(tensor)
+            fsdp_param.to_unsharded(tensor)
         return self.unsharded
 
     def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
@@ -125,7 +153,7 @@ class FSDPParamGroup:
 
     def reshard(self) -> None:
         for fsdp_param in self.fsdp_params:
-            fsdp_param.register_sharded()
+            fsdp_param.to_sharded()
         if self.unsharded is not None:
             self.unsharded.free()
             self.unsharded = None
@@ -136,12 +164,20 @@ class FSDPParamGroup:
         unsharded.refill(fresh)
 
     def pre_forward(self) -> None:
+        if torch.compiler.is_compiling():
+            for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
+                fsdp_param.to_unsharded(tensor)
+            return
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # activation-checkpoint recompute: parameters are already unsharded
         self.training_state = TrainingState.FORWARD
         self.unshard()
 
     def post_forward(self, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_sharded()
+            return output
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         self.training_state = TrainingState.IDLE
@@ -151,7 +187,7 @@ class FSDPParamGroup:
         if unsharded.all_gather_node is not None:
             self._register_pre_backward(output, unsharded)
         for fsdp_param in self.fsdp_params:
-            fsdp_param.register_sharded()
+            fsdp_param.to_sharded()
         if self.reshard_after_forward:
             self.reshard()
         return output
@@ -184,7 +220,7 @@ class FSDPParamGroup:
             self._refill(unsharded)
         self.unsharded = unsharded
         for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
-            fsdp_param.register_unsharded(tensor)
+            fsdp_param.to_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
 
     def post_backward(self, unsharded: UnshardedParams) -> None:
@@ -193,7 +229,7 @@ class FSDPParamGroup:
         if self.unsharded is unsharded:
             self.unsharded = None
         for fsdp_param in self.fsdp_params:
-            fsdp_param.register_sharded()
+            fsdp_param.to_sharded()
         self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:

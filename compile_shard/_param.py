@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import ops
 
+if TYPE_CHECKING:
+    from ._group import FSDPParamGroup
+
 
 @dataclass(frozen=True)
 class ParamUsage:
@@ -21,6 +25,43 @@ class ParamUsage:
 
     module: nn.Module
     name: str
+
+
+_MANAGED_ATTR = "_compile_shard_managed"
+_ATTRIBUTE_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+
+def _managed_attribute(name: str) -> property:
+    def get(module: nn.Module) -> torch.Tensor:
+        return getattr(module, _MANAGED_ATTR)[name].module_attribute()
+
+    return property(get, doc=f"``{name}``, managed by fully_shard: sharded outside forward/backward")
+
+
+def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
+    """Makes ``usage.module.<name>`` read through ``fsdp_param``.
+
+    [Note: parameters are read through properties]
+    ``module._parameters`` always holds the sharded DTensor, so ``parameters()``,
+    ``state_dict()`` and optimizers see the sharded view. The module's class is
+    swapped for a subclass whose property ``<name>`` returns what the forward should
+    use (``FSDPParam.module_attribute``). Reading a property has no side effect,
+    which is what lets Dynamo trace a module inside an activation-checkpoint region;
+    swapping ``_parameters`` entries from a hook would be a side effect inside the
+    checkpoint higher-order op, which Dynamo rejects.
+    """
+    module = usage.module
+    managed = module.__dict__.setdefault(_MANAGED_ATTR, {})
+    managed[usage.name] = fsdp_param
+    base = type(module)
+    if getattr(base, "_compile_shard_base", None) is not None:
+        base = base._compile_shard_base
+    key = (base, frozenset(managed))
+    if key not in _ATTRIBUTE_CLASSES:
+        namespace = {name: _managed_attribute(name) for name in managed}
+        namespace.update(_compile_shard_base=base, __module__=base.__module__, __qualname__=base.__qualname__)
+        _ATTRIBUTE_CLASSES[key] = type(base.__name__, (base,), namespace)
+    module.__class__ = _ATTRIBUTE_CLASSES[key]
 
 
 class FSDPParam:
@@ -67,18 +108,32 @@ class FSDPParam:
             local_tensor, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        self.unsharded_param: torch.Tensor | None = None
+        # Set by the owning FSDPParamGroup.
+        self.group: FSDPParamGroup
+        self.index: int
+        for usage in usages:
+            usage.module._parameters[usage.name] = self.sharded_param
+            install_managed_attribute(usage, self)
 
     @property
     def local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
 
-    def register_sharded(self) -> None:
-        for usage in self.usages:
-            usage.module._parameters[usage.name] = self.sharded_param
+    def to_sharded(self) -> None:
+        self.unsharded_param = None
 
-    def register_unsharded(self, unsharded: torch.Tensor) -> None:
-        for usage in self.usages:
-            usage.module._parameters[usage.name] = unsharded
+    def to_unsharded(self, unsharded_param: torch.Tensor) -> None:
+        self.unsharded_param = unsharded_param
+
+    def module_attribute(self) -> torch.Tensor:
+        """What ``module.<name>`` returns for every module that uses this parameter.
+
+        Eager: the unsharded tensor between unshard and reshard, else the sharded
+        DTensor (FSDP2's registration semantics). Traced: the unsharded tensor,
+        gathered where it is read; see [Note: traced unshard].
+        """
+        return self.sharded_param if self.unsharded_param is None else self.unsharded_param
 
     def validate_device(self, device_type: str) -> None:
         local_tensor = self.local_tensor
