@@ -279,6 +279,9 @@ def fully_shard(
             mesh,
             reshard_after_forward=reshard_after_forward is not False,
         )
+    from .passes import install  # the pass suite for torch.compile of this model
+
+    install()
     state = FSDPState(module, mesh, group, reshard_after_forward)
     module.__dict__[_STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))

@@ -1,6 +1,36 @@
 """compile_shard's FX pass suite over the AOT joint graph (installed as ``compile_shard.passes``).
 
-The source lives in the top-level ``passes/`` folder of the repository and is
-installed under the ``compile_shard`` package so that no generic top-level name
-(``passes``) lands in site-packages.
+The passes run, in this order, on the joint forward-backward graph of a model
+sharded with ``fully_shard``, right before the partitioner splits it:
+
+1. ``refunctionalize``: remove traced storage mutations.
+2. ``reshard``: tag each group's all-gather chain for recompute or for saving.
+3. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
+4. ``verify``: check the graph invariants.
+
+``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
+The source lives in the repository's top-level ``passes/`` folder and is installed
+under the ``compile_shard`` package, so no generic ``passes`` name lands in
+site-packages.
 """
+
+from .install import has_sharded_params, install, run_suite
+from .lower import lower
+from .refunctionalize import refunctionalize
+from .reshard import reshard
+from .settings import PassSettings, settings
+from .verify import GraphInvariantError, verify, verify_forward
+
+__all__ = [
+    "GraphInvariantError",
+    "PassSettings",
+    "has_sharded_params",
+    "install",
+    "lower",
+    "refunctionalize",
+    "reshard",
+    "run_suite",
+    "settings",
+    "verify",
+    "verify_forward",
+]

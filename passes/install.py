@@ -1,0 +1,94 @@
+"""Installs the suite into torch.compile's pipeline, chained with passes already there.
+
+Two hooks, both set once by ``fully_shard`` (``install()`` is idempotent):
+
+- ``torch._functorch.config.joint_custom_pass`` runs on the AOT joint graph right
+  before partitioning, for every backend (``aot_eager`` and ``inductor`` alike): the
+  suite runs there.
+- ``torch._inductor.config.joint_custom_pre_pass`` runs inside Inductor on the same
+  joint graph afterwards; ours verifies the invariants again after Inductor's own
+  joint-graph preparation and, through its ``uuid``, puts the pass settings into
+  Inductor's and AOTAutograd's cache keys (the functorch hook is not part of them).
+
+A pass a user had set on either hook before keeps running, after ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ._graph import fsdp, group_annotation
+from .lower import lower
+from .refunctionalize import refunctionalize
+from .reshard import reshard
+from .settings import settings
+from .verify import verify
+
+_SUITE_VERSION = "1"
+
+
+def has_sharded_params(graph: fx.Graph) -> bool:
+    """Whether ``graph`` came from a model sharded by compile_shard."""
+    return any(
+        node.target in (fsdp.all_gather_into.default, fsdp.reduce_scatter_grad.default)
+        or group_annotation(node) is not None
+        for node in graph.nodes
+    )
+
+
+def run_suite(graph: fx.Graph) -> dict[str, int]:
+    """Runs the enabled passes on a joint graph in order; returns what each changed."""
+    changes = {}
+    if settings.refunctionalize:
+        changes["refunctionalize"] = refunctionalize(graph)
+    if settings.reshard:
+        changes["reshard"] = reshard(graph)
+    if settings.lower:
+        changes["lower"] = lower(graph)
+    if settings.verify:
+        verify(graph)
+    return changes
+
+
+class _JointPass:
+    """The functorch joint-graph hook: the suite, then the previously installed pass."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph_module: fx.GraphModule, joint_inputs):
+        if has_sharded_params(graph_module.graph):
+            run_suite(graph_module.graph)
+            graph_module.recompile()
+        if self.previous is not None:
+            graph_module = self.previous(graph_module, joint_inputs)
+        return graph_module
+
+
+class _InductorJointPrePass(CustomGraphPass):
+    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if settings.verify and has_sharded_params(graph):
+            verify(graph)
+        if self.previous is not None:
+            self.previous(graph)
+
+    def uuid(self):
+        previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
+        return (get_hash_for_files((__file__,)), _SUITE_VERSION, settings.cache_key(), previous)
+
+
+def install() -> None:
+    """Puts the suite on both hooks unless it is already there."""
+    functorch_config = torch._functorch.config
+    if not isinstance(functorch_config.joint_custom_pass, _JointPass):
+        functorch_config.joint_custom_pass = _JointPass(functorch_config.joint_custom_pass)
+    inductor_config = torch._inductor.config
+    if not isinstance(inductor_config.joint_custom_pre_pass, _InductorJointPrePass):
+        inductor_config.joint_custom_pre_pass = _InductorJointPrePass(inductor_config.joint_custom_pre_pass)

@@ -1,0 +1,63 @@
+"""lower: replace ``fsdp`` collectives with ``_c10d_functional`` collectives, ``wait_tensor`` and explicit copy-in.
+
+Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` custom
+op would reach it as an opaque synchronous fallback. After this pass the copy-in
+(flatten, pad, concatenate) and the averaging division are plain aten ops that
+Inductor fuses, and the collectives are the ones it understands. Every new node
+inherits the replaced node's metadata (group annotation, recompute tags), so the
+partitioner treats the lowered chain exactly as the ``fsdp`` node it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ._graph import NodeInserter, c10d, fsdp
+
+aten = torch.ops.aten
+
+
+def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
+    shards, padded_numels, world_size, group_name = node.args
+    insert = NodeInserter(graph, node, node)
+    padded = []
+    for shard, padded_numel in zip(shards, padded_numels):
+        flat = insert(aten.reshape.default, shard, [-1])
+        pad = padded_numel - shard.meta["val"].numel()
+        padded.append(insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0) if pad else flat)
+    all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
+    gathered = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
+    if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
+        # Save the gathered parameters only, not the copy-in buffers or the un-waited collective.
+        for copy_in_node in [*padded, all_gather_input, gathered]:
+            copy_in_node.meta.pop("recompute", None)
+    node.replace_all_uses_with(insert(c10d.wait_tensor.default, gathered))
+    graph.erase_node(node)
+
+
+def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
+    unsharded_grad, world_size, group_name, *rest = node.args
+    reduce_op = rest[0] if rest else node.kwargs.get("reduce_op", "avg")
+    insert = NodeInserter(graph, node, node)
+    reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, "sum", world_size, group_name)
+    sharded_grad = insert(c10d.wait_tensor.default, reduced)
+    if reduce_op == "avg":
+        sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
+    node.replace_all_uses_with(sharded_grad)
+    graph.erase_node(node)
+
+
+def lower(graph: fx.Graph) -> int:
+    """Lowers every ``fsdp`` collective in ``graph``; returns how many it replaced."""
+    lowered = 0
+    for node in list(graph.nodes):
+        if node.target is fsdp.all_gather_into.default:
+            _lower_all_gather(graph, node)
+        elif node.target is fsdp.reduce_scatter_grad.default:
+            _lower_reduce_scatter(graph, node)
+        else:
+            continue
+        lowered += 1
+    return lowered

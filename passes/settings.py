@@ -1,0 +1,32 @@
+"""The one settings object that switches each pass of the suite on or off."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+
+@dataclasses.dataclass
+class PassSettings:
+    """Which passes run on the AOT joint graph of a sharded model.
+
+    Change the module-level ``settings`` instance before compiling, e.g.
+    ``compile_shard.passes.settings.lower = False``. Every field takes part in
+    Inductor's cache key, so changing one recompiles instead of reusing a graph.
+    """
+
+    #: Remove traced storage mutations (``fsdp.set_``, ``fsdp.resize_storage_``, copies into resized storage).
+    refunctionalize: bool = True
+    #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.
+    reshard: bool = True
+    #: Replace ``fsdp`` collectives with ``_c10d_functional`` collectives plus explicit copy-in.
+    lower: bool = True
+    #: Check the graph invariants after the suite (raises ``GraphInvariantError``).
+    verify: bool = True
+
+    def cache_key(self) -> str:
+        fields = sorted(dataclasses.asdict(self).items())
+        return hashlib.sha256(repr(fields).encode()).hexdigest()
+
+
+settings = PassSettings()

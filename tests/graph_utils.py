@@ -1,0 +1,81 @@
+"""Building small FX graphs with fake values, and capturing what torch.compile produces."""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from compile_shard._group import GROUP_ANNOTATION
+from compile_shard.passes import settings
+
+c10d = torch.ops._c10d_functional
+fsdp = torch.ops.fsdp
+
+
+def trace(fn, *args) -> fx.GraphModule:
+    """``make_fx`` with fake tensors: every node carries ``meta["val"]``."""
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def annotate_group(graph: fx.Graph, group: str, reshard_after_forward: bool) -> None:
+    """Marks every fsdp all-gather the way the runtime's trace does."""
+    for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
+        node.meta["custom"] = {GROUP_ANNOTATION: {"group": group, "reshard_after_forward": reshard_after_forward}}
+
+
+def op_counts(graph: fx.Graph) -> Counter:
+    """Collective and storage ops in ``graph``, by short name."""
+    names = {
+        fsdp.all_gather_into.default: "fsdp.all_gather_into",
+        fsdp.reduce_scatter_grad.default: "fsdp.reduce_scatter_grad",
+        fsdp.set_.default: "fsdp.set_",
+        fsdp.resize_storage_.default: "fsdp.resize_storage_",
+        c10d.all_gather_into_tensor.default: "all_gather",
+        c10d.reduce_scatter_tensor.default: "reduce_scatter",
+        c10d.wait_tensor.default: "wait",
+    }
+    return Counter(names[node.target] for node in graph.nodes if node.target in names)
+
+
+class CapturingBackend:
+    """An AOT backend that records the joint, forward and backward graphs it compiles."""
+
+    def __init__(self, min_cut: bool = False):
+        self.joint_graphs: list[fx.GraphModule] = []
+        self.forward_graphs: list[fx.GraphModule] = []
+        self.backward_graphs: list[fx.GraphModule] = []
+        partition = min_cut_rematerialization_partition if min_cut else default_partition
+
+        def partition_fn(joint, joint_inputs, **kwargs):
+            self.joint_graphs.append(joint)
+            return partition(joint, joint_inputs, **kwargs)
+
+        def keep(graphs):
+            def compiler(graph_module, example_inputs):
+                graphs.append(graph_module)
+                return make_boxed_func(graph_module.forward)
+
+            return compiler
+
+        self.backend = aot_autograd(
+            fw_compiler=keep(self.forward_graphs), bw_compiler=keep(self.backward_graphs), partition_fn=partition_fn
+        )
+
+
+@contextmanager
+def pass_settings(**overrides):
+    saved = {name: getattr(settings, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(settings, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(settings, name, value)

@@ -1,0 +1,124 @@
+"""torch.compile(sharded_model): one forward and one backward graph, collectives inside them."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from compile_shard.models import LlamaConfig
+from compile_shard.passes import verify, verify_forward
+from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from graph_utils import CapturingBackend, op_counts, pass_settings
+
+N_LAYERS = 2
+GROUPS = N_LAYERS + 1
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _compile_and_step(world_size, steps=2, min_cut=False, block_reshard=None, root_reshard=None, fullgraph=True):
+    capture = CapturingBackend(min_cut=min_cut)
+    with FakeProcessGroup(world_size):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS), block_reshard=block_reshard, root_reshard=root_reshard)
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=fullgraph)
+        tokens = torch.randint(0, 1001, (2, 9))
+        for _ in range(steps):
+            lm_loss(compiled, tokens).backward()
+    return model, capture
+
+
+def _unsharded_shapes(model, world_size):
+    """Shapes an unsharded parameter (or its padded copy-out) has."""
+    shapes = set()
+    for param in model.parameters():
+        padded_rows = -(-param.shape[0] // world_size) * world_size
+        shapes |= {tuple(param.shape), (padded_rows, *param.shape[1:]), (world_size * param.to_local().numel(),)}
+    return shapes
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+@pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
+def test_one_forward_and_one_backward_graph_with_the_collectives(world_size, min_cut):
+    _, capture = _compile_and_step(world_size, steps=3, min_cut=min_cut)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"] and not counters["recompiles"]
+    assert len(capture.forward_graphs) == 1 and len(capture.backward_graphs) == 1
+    forward, backward = capture.forward_graphs[0].graph, capture.backward_graphs[0].graph
+    # Default wrapping: the blocks reshard after forward, the root does not.
+    assert op_counts(forward) == {"all_gather": GROUPS, "wait": GROUPS}
+    assert op_counts(backward) == {"all_gather": N_LAYERS, "reduce_scatter": GROUPS, "wait": N_LAYERS + GROUPS}
+    verify_forward(forward)
+    verify(backward)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_joint_graph_holds_fsdp_ops_before_the_suite_and_c10d_after(world_size):
+    with pass_settings(refunctionalize=False, reshard=False, lower=False, verify=False):
+        _, raw = _compile_and_step(world_size, steps=1)
+    assert op_counts(raw.joint_graphs[0].graph) == {"fsdp.all_gather_into": GROUPS, "fsdp.reduce_scatter_grad": GROUPS}
+    torch._dynamo.reset()
+    _, lowered = _compile_and_step(world_size, steps=1)
+    joint = lowered.joint_graphs[0].graph
+    assert op_counts(joint) == {"all_gather": GROUPS, "reduce_scatter": GROUPS, "wait": 2 * GROUPS}
+
+
+@pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
+def test_resharding_saves_no_unsharded_parameter(min_cut):
+    world_size = 8
+    model, capture = _compile_and_step(world_size, min_cut=min_cut, block_reshard=True, root_reshard=True)
+    forward, backward = capture.forward_graphs[0].graph, capture.backward_graphs[0].graph
+    (output,) = forward.find_nodes(op="output")
+    saved_shapes = {tuple(node.meta["val"].shape) for node in output.all_input_nodes if "val" in node.meta}
+    assert not saved_shapes & _unsharded_shapes(model, world_size)
+    assert op_counts(backward)["all_gather"] == GROUPS  # every group re-gathers
+
+
+@pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
+def test_no_resharding_saves_gathered_parameters_and_backward_does_not_regather(min_cut):
+    _, capture = _compile_and_step(8, min_cut=min_cut, block_reshard=False, root_reshard=False)
+    assert op_counts(capture.backward_graphs[0].graph) == {"reduce_scatter": GROUPS, "wait": GROUPS}
+
+
+def test_fullgraph_false_gives_the_same_single_graph():
+    _, capture = _compile_and_step(2, fullgraph=False)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(capture.forward_graphs) == 1
+
+
+def _compiled_matches_eager(rank, world_size, backend):
+    config = LlamaConfig(n_layers=N_LAYERS)
+    compiled_model, _ = build_sharded_llama(config)
+    eager_model, _ = build_sharded_llama(config)
+    compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (compiled_model, eager_model)]
+    # Inductor fuses and reorders fp32 arithmetic; AdamW turns last-bit differences of
+    # near-zero gradients into ~1e-6 parameter differences (see tests/test_parity.py).
+    param_atol = 0.0 if backend == "aot_eager" else 2e-5
+    for step in range(6):
+        tokens = global_batch(step, world_size, 2, 16, config.vocab_size)[2 * rank : 2 * rank + 2]
+        # Alternate: odd steps run the compiled model's eager path on the same parameters.
+        model = compiled if step % 2 == 0 else compiled_model
+        losses = []
+        for m, optimizer in zip((model, eager_model), optimizers):
+            loss = lm_loss(m, tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-6)
+    for param, eager_param in zip(compiled_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=param_atol)
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+    assert not counters["graph_break"] and not counters["recompiles"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_matches_eager_on_gloo(world_size, backend):
+    run_gloo(_compiled_matches_eager, world_size, backend)

@@ -1,0 +1,261 @@
+"""Each pass on small hand-built graphs, including graphs where it must do nothing."""
+
+import operator
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from compile_shard.passes import GraphInvariantError, lower, refunctionalize, reshard, verify, verify_forward
+from graph_utils import annotate_group, c10d, fsdp, op_counts, trace
+
+aten = torch.ops.aten
+WORLD, GROUP = 2, "0"
+
+
+def _gather_and_use(shard_w, shard_b, x):
+    """A group of two parameters: all-gather, copy-out, compute."""
+    gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+    per_rank_w, per_rank_b = gathered.view(WORLD, -1).split([12, 2], dim=1)
+    weight = per_rank_w.reshape(-1, 4)[:5]
+    bias = per_rank_b.reshape(-1)[:3]
+    return x @ weight.t()[:, :3] + bias
+
+
+def _shards():
+    """This rank's uneven shards: 2 of 3 padded rows of the weight, 1 of 2 bias entries."""
+    return torch.randn(2, 4), torch.randn(1), torch.randn(2, 4)
+
+
+def _code(graph_module):
+    graph_module.recompile()
+    return graph_module.code
+
+
+# refunctionalize -------------------------------------------------------------------
+
+
+def test_refunctionalize_removes_resize_and_copy_into_resized_storage():
+    def fn(unsharded, gathered, x):
+        torch.ops.fsdp.resize_storage_(unsharded, 64)
+        unsharded.copy_(gathered)
+        out = x @ unsharded
+        torch.ops.fsdp.resize_storage_(unsharded, 0)
+        return out
+
+    graph_module = trace(fn, torch.randn(4, 4), torch.randn(4, 4), torch.randn(2, 4))
+    assert refunctionalize(graph_module.graph) == 3
+    unsharded, gathered, x = graph_module.graph.find_nodes(op="placeholder")
+    (matmul,) = [n for n in graph_module.graph.nodes if n.target is aten.mm.default]
+    assert matmul.args == (x, gathered)
+    assert not unsharded.users
+    verify(graph_module.graph)
+
+
+def test_refunctionalize_rewrites_readers_after_set_():
+    def fn(param, gathered):
+        before = param.sum()
+        torch.ops.fsdp.set_(param, gathered)
+        return before, param * 2
+
+    graph_module = trace(fn, torch.randn(4), torch.randn(4))
+    assert refunctionalize(graph_module.graph) == 1
+    param, gathered = graph_module.graph.find_nodes(op="placeholder")
+    (total,) = [n for n in graph_module.graph.nodes if n.target is aten.sum.default]
+    (double,) = [n for n in graph_module.graph.nodes if n.target is aten.mul.Tensor]
+    assert total.args[0] is param and double.args[0] is gathered
+
+
+def test_refunctionalize_leaves_functional_graphs_and_plain_copies_alone():
+    def fn(buffer, update):
+        buffer.copy_(update)  # an input mutation AOTAutograd keeps: not ours to remove
+        return buffer + 1
+
+    graph_module = trace(fn, torch.randn(4), torch.randn(4))
+    before = _code(graph_module)
+    assert refunctionalize(graph_module.graph) == 0
+    assert _code(graph_module) == before
+
+
+# reshard ---------------------------------------------------------------------------
+
+
+def _chain_targets():
+    return {
+        fsdp.all_gather_into.default,
+        aten.view.default,
+        aten.split_with_sizes.default,
+        operator.getitem,
+        aten.clone.default,
+        aten._unsafe_view.default,
+        aten.slice.Tensor,
+        aten.t.default,  # a view of the unsharded parameter, e.g. in F.linear
+    }
+
+
+def test_reshard_true_tags_gather_and_copy_out_chain_for_recompute():
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    assert reshard(graph_module.graph) == 1
+    tagged = {n for n in graph_module.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE}
+    assert {n.target for n in tagged} <= _chain_targets()
+    assert any(n.target is fsdp.all_gather_into.default for n in tagged)
+    assert any(n.target is aten.slice.Tensor for n in tagged)  # the end of the copy-out chain
+    compute = [n for n in graph_module.graph.nodes if n.target in (aten.mm.default, aten.add.Tensor)]
+    assert compute and not any("recompute" in n.meta for n in compute)
+    assert len({n.meta["ac_graph_id"] for n in tagged}) == 1
+
+
+def test_reshard_false_saves_the_gather_and_drops_checkpoint_tags():
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "root", reshard_after_forward=False)
+    for node in graph_module.graph.nodes:
+        node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE  # as inside a checkpoint region
+    reshard(graph_module.graph)
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    assert gather.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    chain = [n for n in graph_module.graph.nodes if n.target is aten.slice.Tensor]
+    assert chain and not any("recompute" in n.meta for n in chain)
+
+
+def test_reshard_ignores_unannotated_gathers():
+    graph_module = trace(_gather_and_use, *_shards())
+    assert reshard(graph_module.graph) == 0
+    assert not any("recompute" in n.meta for n in graph_module.graph.nodes)
+
+
+# lower -----------------------------------------------------------------------------
+
+
+def test_lower_all_gather_into_c10d_with_copy_in():
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    reshard(graph_module.graph)
+    assert lower(graph_module.graph) == 1
+    assert op_counts(graph_module.graph) == {"all_gather": 1, "wait": 1}
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    (cat,) = gather.args[:1]
+    assert cat.target is aten.cat.default and gather.args[1:] == (WORLD, GROUP)
+    assert any(n.target is aten.constant_pad_nd.default for n in cat.args[0])  # the uneven shard is padded
+    # The lowered chain keeps the group's annotation and recompute tag.
+    for node in (gather, *cat.args[0], cat, next(iter(gather.users))):
+        assert node.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
+        assert node.meta["custom"]["compile_shard_group"]["group"] == "blocks.0"
+    verify(graph_module.graph)
+
+
+def test_lower_saved_gather_saves_only_the_wait():
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "root", reshard_after_forward=False)
+    reshard(graph_module.graph)
+    lower(graph_module.graph)
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    (wait,) = gather.users
+    assert wait.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert "recompute" not in gather.meta and "recompute" not in gather.args[0].meta
+
+
+@pytest.mark.parametrize("reduce_op, divides", [("avg", True), ("sum", False)])
+def test_lower_reduce_scatter(reduce_op, divides):
+    def fn(grad):
+        return torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, reduce_op)
+
+    graph_module = trace(fn, torch.randn(8))
+    assert lower(graph_module.graph) == 1
+    assert op_counts(graph_module.graph) == {"reduce_scatter": 1, "wait": 1}
+    (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+    assert scatter.args[1:] == ("sum", WORLD, GROUP)
+    assert any(n.target is aten.div.Tensor for n in graph_module.graph.nodes) == divides
+
+
+def test_lower_leaves_graphs_without_fsdp_ops_alone():
+    graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
+    before = _code(graph_module)
+    assert lower(graph_module.graph) == 0
+    assert _code(graph_module) == before
+
+
+def _gloo_lowering_computes_the_same(rank, world_size):
+    import torch.distributed as dist
+
+    group_name = dist.group.WORLD.group_name
+
+    def fn(shard, grad):
+        gathered = torch.ops.fsdp.all_gather_into([shard], [6], world_size, group_name)
+        return gathered, torch.ops.fsdp.reduce_scatter_grad(grad, world_size, group_name, "avg")
+
+    shard, grad = torch.randn(rank + 1, 3), torch.randn(world_size * 4) * (rank + 1)
+    graph_module = make_fx_real(fn, shard, grad)
+    expected = graph_module(shard, grad)
+    lower(graph_module.graph)
+    graph_module.recompile()
+    actual = graph_module(shard, grad)
+    assert op_counts(graph_module.graph)["all_gather"] == 1
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
+
+
+def make_fx_real(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="real")(*args)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
+    from dist_utils import run_gloo
+
+    run_gloo(_gloo_lowering_computes_the_same, world_size)
+
+
+# verify ----------------------------------------------------------------------------
+
+
+def _lowered_graph():
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    lower(graph_module.graph)
+    return graph_module
+
+
+def test_verify_accepts_a_lowered_graph():
+    verify(_lowered_graph().graph)
+
+
+def test_verify_rejects_a_collective_read_before_its_wait():
+    graph_module = _lowered_graph()
+    graph = graph_module.graph
+    (gather,) = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    (wait,) = gather.users
+    for user in list(wait.users):
+        user.replace_input_with(wait, gather)
+    with pytest.raises(GraphInvariantError, match="exactly one wait_tensor"):
+        verify(graph)
+
+
+def test_verify_rejects_a_left_over_mutation():
+    graph_module = trace(lambda x: torch.ops.fsdp.resize_storage_(x, 0), torch.randn(4))
+    with pytest.raises(GraphInvariantError, match="storage mutation left"):
+        verify(graph_module.graph)
+
+
+def test_verify_rejects_out_of_order_nodes():
+    graph_module = trace(lambda x: (x + 1) * 2, torch.randn(4))
+    add, mul = [n for n in graph_module.graph.nodes if n.op == "call_function"]
+    add.prepend(mul)
+    with pytest.raises(GraphInvariantError, match="malformed graph"):
+        verify(graph_module.graph)
+
+
+def test_verify_forward_rejects_saving_a_resharded_gather():
+    def forward(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+        weight = gathered.view(WORLD, -1).split([12, 2], dim=1)[0].reshape(-1, 4)[:5]
+        return x @ weight.t(), weight  # the second output is a "saved for backward" tensor
+
+    graph_module = trace(forward, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    with pytest.raises(GraphInvariantError, match="'blocks.0' reshards after forward"):
+        verify_forward(graph_module.graph)
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=False)
+    verify_forward(graph_module.graph)
