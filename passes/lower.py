@@ -10,8 +10,11 @@ partitioner treats the lowered chain exactly as the ``fsdp`` node it replaces.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ._graph import NodeInserter, c10d, fsdp
@@ -25,8 +28,16 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     padded = []
     for shard, padded_numel in zip(shards, padded_numels):
         flat = insert(aten.reshape.default, shard, [-1])
-        pad = padded_numel - shard.meta["val"].numel()
-        padded.append(insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0) if pad else flat)
+        numel = shard.meta["val"].numel()
+        if is_concrete_int(numel):
+            numel = int(numel)
+        else:  # dynamic shapes
+            numel = insert(aten.sym_numel.default, shard)
+        if isinstance(padded_numel, fx.Node) or isinstance(numel, fx.Node):
+            pad = insert(operator.sub, padded_numel, numel)
+        else:
+            pad = padded_numel - numel
+        padded.append(flat if pad == 0 else insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0))
     all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
     gathered = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:

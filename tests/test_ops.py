@@ -5,8 +5,14 @@ import torch
 import torch.distributed as dist
 from torch.library import opcheck
 
-import compile_shard  # noqa: F401  (registers the ops)
+import compile_shard.passes
 from dist_utils import FakeProcessGroup, run_gloo
+
+
+@pytest.fixture(autouse=True, scope="module")
+def installed_pass_suite():
+    """opcheck's aot_dispatch tests then also run the joint-graph suite, as fully_shard would."""
+    compile_shard.passes.install()
 
 
 @pytest.fixture
