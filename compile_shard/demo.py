@@ -4,15 +4,15 @@
     python -m compile_shard.demo --nproc 3
     torchrun --nproc-per-node 2 -m compile_shard.demo
 
-Prints, per step, the sharded loss next to an unsharded single-process reference on
-the same global batch, the step time, the collectives issued, and each rank's peak
-resident memory.
+Trains the same model twice, eager and ``torch.compile``d, and prints per step the
+losses next to an unsharded single-process reference on the same global batch, both
+step times, the collectives issued, and each rank's peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
 import os
 import resource
 import socket
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from . import fully_shard
 from .debug import CollectiveCounter
@@ -32,10 +33,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="processes to spawn (ignored under torchrun)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch-per-rank", type=int, default=4)
+    parser.add_argument(
+        "--backend", default="inductor", help="torch.compile backend for the compiled run; '' skips it"
+    )
     return parser.parse_args(argv)
 
 
@@ -44,56 +48,99 @@ def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _train(args: argparse.Namespace) -> None:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    config = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=4, ffn_hidden=args.dim * 3, max_seq_len=args.seq)
+def _build(config: LlamaConfig) -> Llama:
     torch.manual_seed(0)
     model = Llama(config)
-    reference = copy.deepcopy(model) if rank == 0 else None
-    n_params = sum(p.numel() for p in model.parameters())
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3) if reference else None
+    return model
 
-    rows = []
+
+def _batches(args: argparse.Namespace, config: LlamaConfig, world_size: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    for step in range(args.steps):
-        tokens = torch.randint(0, config.vocab_size, (world_size * args.batch_per_rank, args.seq + 1), generator=generator)
+    shape = (world_size * args.batch_per_rank, args.seq + 1)
+    return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(args.steps)]
+
+
+def _run_sharded(model, batches, args, count_collectives: bool) -> list[tuple[float, float, dict]]:
+    """Per step: global loss, step time of the slowest rank, collectives issued.
+
+    Collectives are counted with a dispatch mode, in eager mode only: torch.compile
+    does not compile under an active dispatch mode.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = []
+    for tokens in batches:
         local = tokens[rank * args.batch_per_rank : (rank + 1) * args.batch_per_rank]
         dist.barrier()
         start = time.perf_counter()
-        with CollectiveCounter() as counter:
+        counter = CollectiveCounter()
+        with counter if count_collectives else contextlib.nullcontext():
             loss = _lm_loss(model, local)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
         elapsed = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        dist.all_reduce(loss.detach(), op=dist.ReduceOp.SUM)
-        if reference is not None:
-            reference_loss = _lm_loss(reference, tokens)
-            reference_loss.backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-            rows.append((step + 1, loss.item() / world_size, reference_loss.item(), elapsed.item(), dict(counter.counts)))
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        rows.append((loss.item() / world_size, elapsed.item(), dict(counter.counts)))
+    return rows
+
+
+def _run_reference(model, batches) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for tokens in batches:
+        loss = _lm_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(args: argparse.Namespace) -> None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=4, ffn_hidden=args.dim * 3, max_seq_len=args.seq)
+    batches = _batches(args, config, world_size)
+    torch.manual_seed(0)
+    reference_losses = _run_reference(Llama(config), batches) if rank == 0 else None
+    eager = _run_sharded(_build(config), batches, args, count_collectives=True)
+    compiled = None
+    if args.backend:
+        compiled = _run_sharded(torch.compile(_build(config), backend=args.backend), batches, args, False)
 
     peak_rss_mb = [None] * world_size
     dist.all_gather_object(peak_rss_mb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if rank == 0:
+    if rank != 0:
+        return
+    n_params = sum(p.numel() for p in Llama(config).parameters())
+    print(
+        f"compile_shard demo: Llama ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}, "
+        f"{n_params / 1e6:.2f}M params), {world_size} gloo ranks, {args.steps} AdamW steps"
+    )
+    header = f"{'step':>4}  {'reference':>10}  {'eager':>10}  {'eager time':>10}"
+    if compiled:
+        header += f"  {'compiled':>10}  {'compiled time':>13}"
+    print(header + f"  {'all-gathers':>11}  {'reduce-scatters':>15}")
+    for step, reference_loss in enumerate(reference_losses):
+        loss, elapsed, counts = eager[step]
+        line = f"{step + 1:>4}  {reference_loss:>10.6f}  {loss:>10.6f}  {elapsed * 1e3:>7.1f} ms"
+        if compiled:
+            line += f"  {compiled[step][0]:>10.6f}  {compiled[step][1] * 1e3:>10.1f} ms"
+        print(line + f"  {counts.get('all_gather', 0):>11}  {counts.get('reduce_scatter', 0):>15}")
+    worst = max(abs(row[0] - ref) for rows in (eager, compiled or []) for row, ref in zip(rows, reference_losses))
+    print(f"max |loss - reference|: {worst:.1e}  (collectives counted in eager mode)")
+    if compiled:
+        stats = counters["stats"]
         print(
-            f"compile_shard demo: Llama ({config.n_layers} layers, dim {config.dim}, vocab {config.vocab_size}, "
-            f"{n_params / 1e6:.2f}M params), {world_size} gloo ranks, {args.steps} AdamW steps, eager"
+            f"compiled ({args.backend}): {stats['unique_graphs']} graph(s), {sum(counters['graph_break'].values())} "
+            f"graph break(s), {sum(counters['recompiles'].values())} recompile(s); step 1 includes compilation"
         )
-        print(f"{'step':>4}  {'loss':>10}  {'reference':>10}  {'|diff|':>8}  {'step time':>10}  "
-              f"{'all-gathers':>11}  {'reduce-scatters':>15}")
-        for step, loss, reference_loss, elapsed, counts in rows:
-            print(
-                f"{step:>4}  {loss:>10.6f}  {reference_loss:>10.6f}  {abs(loss - reference_loss):>8.1e}  "
-                f"{elapsed * 1e3:>7.1f} ms  {counts.get('all_gather', 0):>11}  {counts.get('reduce_scatter', 0):>15}"
-            )
-        print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(peak_rss_mb)))
+    print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(peak_rss_mb)))
 
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:

@@ -122,3 +122,18 @@ def _compiled_matches_eager(rank, world_size, backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_training_matches_eager_on_gloo(world_size, backend):
     run_gloo(_compiled_matches_eager, world_size, backend)
+
+
+def test_graphs_given_to_inductor_hold_c10d_collectives_only():
+    graphs = []
+
+    def capture(graph):
+        graphs.append(op_counts(graph))
+
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=capture), FakeProcessGroup(2):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        compiled = torch.compile(model, fullgraph=True)  # the default backend: Inductor
+        lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
+    forward, backward = graphs
+    assert forward == {"all_gather": GROUPS, "wait": GROUPS}
+    assert backward == {"all_gather": N_LAYERS, "reduce_scatter": GROUPS, "wait": N_LAYERS + GROUPS}
