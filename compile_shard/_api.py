@@ -55,6 +55,10 @@ class FSDPState:
             state.group.reshard_after_forward = state.resolved_reshard_after_forward()
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
+        root_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
+        for state in self.subtree_states:
+            if state.group is not None:
+                state.group.root_groups = root_groups
 
     def resolved_reshard_after_forward(self) -> bool:
         if self.reshard_after_forward is None:

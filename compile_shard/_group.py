@@ -87,6 +87,9 @@ class FSDPParamGroup:
         self.world_size = mesh.size()
         self.group_name = mesh.get_group().group_name
         self.reshard_after_forward = reshard_after_forward
+        # Names of every group under the same root, set by the root: lets the pass
+        # suite notice a graph that holds only part of the model (a graph break).
+        self.root_groups: tuple[str, ...] = (module_name,)
         self.training_state = TrainingState.IDLE
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
@@ -125,7 +128,11 @@ class FSDPParamGroup:
 
     def annotation(self) -> dict[str, Any]:
         """What the pass suite learns about this group from the traced graph."""
-        return {"group": self.module_name, "reshard_after_forward": self.reshard_after_forward}
+        return {
+            "group": self.module_name,
+            "reshard_after_forward": self.reshard_after_forward,
+            "root_groups": self.root_groups,
+        }
 
     # Lifecycle --------------------------------------------------------------------
 

@@ -9,11 +9,14 @@ sharded with ``fully_shard``, right before the partitioner splits it:
 4. ``verify``: check the graph invariants.
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
+A graph holding only part of a sharded model (a graph break) raises a
+``ShardedGraphBreakWarning`` once.
 The source lives in the repository's top-level ``passes/`` folder and is installed
 under the ``compile_shard`` package, so no generic ``passes`` name lands in
 site-packages.
 """
 
+from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
 from .install import has_sharded_params, install, run_suite
 from .lower import lower
 from .refunctionalize import refunctionalize
@@ -24,6 +27,7 @@ from .verify import GraphInvariantError, verify, verify_forward
 __all__ = [
     "GraphInvariantError",
     "PassSettings",
+    "ShardedGraphBreakWarning",
     "has_sharded_params",
     "install",
     "lower",
@@ -33,4 +37,5 @@ __all__ = [
     "settings",
     "verify",
     "verify_forward",
+    "warn_if_partial",
 ]

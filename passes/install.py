@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ._graph import fsdp, group_annotation
+from .graph_breaks import warn_if_partial
 from .lower import lower
 from .refunctionalize import refunctionalize
 from .reshard import reshard
@@ -60,6 +61,7 @@ class _JointPass:
 
     def __call__(self, graph_module: fx.GraphModule, joint_inputs):
         if has_sharded_params(graph_module.graph):
+            warn_if_partial(graph_module.graph)
             run_suite(graph_module.graph)
             graph_module.recompile()
         if self.previous is not None:

@@ -1,5 +1,7 @@
 """torch.compile(sharded_model): one forward and one backward graph, collectives inside them."""
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -137,3 +139,38 @@ def test_graphs_given_to_inductor_hold_c10d_collectives_only():
     forward, backward = graphs
     assert forward == {"all_gather": GROUPS, "wait": GROUPS}
     assert backward == {"all_gather": N_LAYERS, "reduce_scatter": GROUPS, "wait": N_LAYERS + GROUPS}
+
+
+def test_graph_break_inside_a_sharded_model_warns_once_naming_the_groups():
+    from compile_shard.models import TransformerBlock
+    from compile_shard.passes import ShardedGraphBreakWarning
+
+    class BreakingBlock(TransformerBlock):
+        def forward(self, x, cos, sin):
+            torch._dynamo.graph_break()
+            return super().forward(x, cos, sin)
+
+    capture = CapturingBackend()
+    with FakeProcessGroup(2):
+        config = LlamaConfig(n_layers=N_LAYERS)
+        torch.manual_seed(0)
+        from compile_shard import fully_shard
+        from compile_shard.models import Llama
+
+        model = Llama(config)
+        model.layers[1] = BreakingBlock(config)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        compiled = torch.compile(model, backend=capture.backend)
+        tokens = torch.randint(0, 1001, (2, 9))
+        with pytest.warns(ShardedGraphBreakWarning) as first_step:
+            lm_loss(compiled, tokens).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShardedGraphBreakWarning)  # once per split, not per step
+            lm_loss(compiled, tokens).backward()
+    messages = [str(w.message) for w in first_step if issubclass(w.category, ShardedGraphBreakWarning)]
+    # The break in layers.1 splits the model into one graph per group.
+    assert len(messages) == 3
+    assert "holds the all-gathers of ['Llama'] but not of ['layers.0', 'layers.1']" in messages[0]
+    assert all("torch._dynamo.graph_break()" in message for message in messages)
