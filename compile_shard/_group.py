@@ -80,8 +80,6 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
     ):
         self.fsdp_params = fsdp_params
-        for index, fsdp_param in enumerate(fsdp_params):
-            fsdp_param.group, fsdp_param.index = self, index
         self.module_name = module_name
         self.mesh = mesh
         self.world_size = mesh.size()
@@ -112,15 +110,17 @@ class FSDPParamGroup:
         """The group's unsharded parameters inside a torch.compile trace.
 
         [Note: traced unshard]
-        Eager mode unshards once in the forward wrapper and keeps Python state (the
-        gathered tensors, their storage, hooks) that backward needs. A trace can hold
-        none of that: state written inside an activation-checkpoint region is a side
-        effect Dynamo rejects, and storage resizing has no functional form. So while
-        compiling, every read of a managed parameter calls the (pure, differentiable)
-        all-gather of its whole group; AOTAutograd's CSE merges the repeated gathers
-        into one per group and forward, and the pass suite then decides, per group,
-        what eager's storage management decided: save the unsharded parameters or
-        re-gather them in backward.
+        Eager mode keeps Python state that backward needs: the gathered tensors and
+        their storage (``UnshardedParams``), hooks on outputs and on the all-gather's
+        autograd node, storage frees and refills. A trace can hold none of that, and
+        storage resizing has no functional form. So while compiling, the forward
+        wrapper gathers through the same ``_all_gather`` and shows the tensors to the
+        modules only for the duration of the forward (Dynamo replays the net effect,
+        which is nothing); the pass suite then decides per group, from the annotation
+        below, what eager's storage management decides: save the unsharded parameters
+        or gather them again in backward. Showing the tensors writes Python state,
+        which Dynamo refuses inside an activation-checkpoint region (design.md,
+        "Known gap").
         """
         with torch.fx.traceback.annotate({GROUP_ANNOTATION: self.annotation()}):
             tensors, _ = self._all_gather()
@@ -246,6 +246,6 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
 
     def live_unsharded_bytes(self) -> int:
-        """Bytes of unsharded storage this group currently holds alive (for tests)."""
+        """Bytes of unsharded storage alive for this group, also inside autograd's graph."""
         self._live = [ref for ref in self._live if ref() is not None]
         return sum(ref().live_bytes() for ref in self._live)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -14,9 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import ops
-
-if TYPE_CHECKING:
-    from ._group import FSDPParamGroup
 
 
 @dataclass(frozen=True)
@@ -43,12 +39,12 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
 
     [Note: parameters are read through properties]
     ``module._parameters`` always holds the sharded DTensor, so ``parameters()``,
-    ``state_dict()`` and optimizers see the sharded view. The module's class is
-    swapped for a subclass whose property ``<name>`` returns what the forward should
-    use (``FSDPParam.module_attribute``). Reading a property has no side effect,
-    which is what lets Dynamo trace a module inside an activation-checkpoint region;
-    swapping ``_parameters`` entries from a hook would be a side effect inside the
-    checkpoint higher-order op, which Dynamo rejects.
+    ``state_dict()``, optimizers and ``_apply`` see the sharded view at all times,
+    also in the middle of a forward. The module's class is swapped for a subclass
+    whose property ``<name>`` returns what the forward should use
+    (``FSDPParam.module_attribute``): the unsharded tensor between unshard and
+    reshard. Unsharding changes one attribute of the ``FSDPParam`` instead of
+    rewriting the ``_parameters`` dicts of every module that uses the parameter.
     """
     module = usage.module
     managed = module.__dict__.setdefault(_MANAGED_ATTR, {})
@@ -71,9 +67,10 @@ class FSDPParam:
     ``sharded_param`` is an ``nn.Parameter`` wrapping a DTensor (``Shard(0)``), which
     is what the optimizer, ``clip_grad_norm_`` and ``state_dict()`` see. Its local
     tensor is a view of ``padded_sharded_data``, a buffer of ``padded_rows`` rows that
-    every rank allocates with the same size, so the all-gather input needs no
-    padding copy beyond flattening and the all-gather is rank independent. Rows past
-    the rank's real shard are padding: never visible to the user, never read back.
+    every rank allocates with the same size (FSDP2's layout): rows past the rank's
+    real shard are padding, never visible to the user, never read back. The
+    all-gather's copy-in still pads on its own, because it must read the
+    ``to_local()`` view for autograd to reach the DTensor parameter.
     When something outside fully_shard replaces the local tensor's storage (for
     example ``model.to_empty()`` after meta-device init), ``reset_sharded_param``
     copies the new values into fresh padded storage and re-points the same local
@@ -109,9 +106,6 @@ class FSDPParam:
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.unsharded_param: torch.Tensor | None = None
-        # Set by the owning FSDPParamGroup.
-        self.group: FSDPParamGroup
-        self.index: int
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
@@ -129,9 +123,9 @@ class FSDPParam:
     def module_attribute(self) -> torch.Tensor:
         """What ``module.<name>`` returns for every module that uses this parameter.
 
-        Eager: the unsharded tensor between unshard and reshard, else the sharded
-        DTensor (FSDP2's registration semantics). Traced: the unsharded tensor,
-        gathered where it is read; see [Note: traced unshard].
+        The unsharded tensor between unshard and reshard (eager, and for the duration
+        of a traced forward, see [Note: traced unshard]), else the sharded DTensor:
+        FSDP2's registration semantics.
         """
         return self.sharded_param if self.unsharded_param is None else self.unsharded_param
 
