@@ -102,10 +102,10 @@ def _compiled_matches_eager(rank, world_size, backend):
     # Inductor fuses and reorders fp32 arithmetic; AdamW turns last-bit differences of
     # near-zero gradients into ~1e-6 parameter differences (see tests/test_parity.py).
     param_atol = 0.0 if backend == "aot_eager" else 2e-5
-    for step in range(6):
+    # Steps 0-4 compiled; then the same model alternates: eager, compiled.
+    schedule = [compiled] * 5 + [compiled_model, compiled]
+    for step, model in enumerate(schedule):
         tokens = global_batch(step, world_size, 2, 16, config.vocab_size)[2 * rank : 2 * rank + 2]
-        # Alternate: odd steps run the compiled model's eager path on the same parameters.
-        model = compiled if step % 2 == 0 else compiled_model
         losses = []
         for m, optimizer in zip((model, eager_model), optimizers):
             loss = lm_loss(m, tokens)
@@ -174,3 +174,28 @@ def test_graph_break_inside_a_sharded_model_warns_once_naming_the_groups():
     assert len(messages) == 3
     assert "holds the all-gathers of ['Llama'] but not of ['layers.0', 'layers.1']" in messages[0]
     assert all("torch._dynamo.graph_break()" in message for message in messages)
+
+
+def test_fullgraph_error_names_what_broke():
+    from compile_shard.models import TransformerBlock
+
+    class BlockWithPrint(TransformerBlock):
+        def forward(self, x, cos, sin):
+            print_shapes_for_debugging(x)
+            return super().forward(x, cos, sin)
+
+    def print_shapes_for_debugging(x):
+        torch._dynamo.graph_break()
+
+    with FakeProcessGroup(2):
+        from compile_shard import fully_shard
+        from compile_shard.models import Llama
+
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=1))
+        model.layers[0] = BlockWithPrint(LlamaConfig(n_layers=1))
+        fully_shard(model.layers[0])
+        fully_shard(model)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"(?s)graph_break.*print_shapes_for_debugging"):
+            compiled(torch.randint(0, 1001, (2, 8)))

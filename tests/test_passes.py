@@ -1,6 +1,7 @@
 """Each pass on small hand-built graphs, including graphs where it must do nothing."""
 
 import operator
+import warnings
 
 import pytest
 import torch
@@ -259,3 +260,35 @@ def test_verify_forward_rejects_saving_a_resharded_gather():
         verify_forward(graph_module.graph)
     annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=False)
     verify_forward(graph_module.graph)
+
+
+# graph_breaks ----------------------------------------------------------------------
+
+
+def _annotated_gather(root_groups):
+    graph_module = trace(_gather_and_use, *_shards())
+    for node in graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
+        node.meta["custom"] = {
+            "compile_shard_group": {"group": "blocks.0", "reshard_after_forward": True, "root_groups": root_groups}
+        }
+    return graph_module.graph
+
+
+def test_warn_if_partial_warns_once_for_a_graph_missing_groups():
+    from compile_shard.passes import ShardedGraphBreakWarning, warn_if_partial
+
+    graph = _annotated_gather(("root", "blocks.0", "blocks.1", "blocks.2"))
+    with pytest.warns(ShardedGraphBreakWarning, match=r"holds the all-gathers of \['blocks.0'\] but not of \['blocks.1', 'blocks.2', 'root'\]"):
+        assert warn_if_partial(graph)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_if_partial(graph)  # the same split again: no second warning
+
+
+def test_warn_if_partial_is_silent_for_whole_models_and_foreign_graphs():
+    from compile_shard.passes import warn_if_partial
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not warn_if_partial(_annotated_gather(("blocks.0",)))
+        assert not warn_if_partial(trace(lambda x: x + 1, torch.randn(2)).graph)
