@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "unsharded_bytes"]
+__all__ = ["CollectiveCounter", "format_graph", "unsharded_bytes"]
 
 
 def _collective_kinds() -> dict[object, str]:
@@ -69,3 +69,47 @@ def unsharded_bytes(module: torch.nn.Module) -> int:
 
     states = (_get_state(submodule) for submodule in module.modules())
     return sum(state.group.live_unsharded_bytes() for state in states if state is not None and state.group)
+
+
+def format_graph(graph: torch.fx.Graph) -> str:
+    """A stable, readable listing of ``graph``: one line per node with its shape,
+    its fully_shard group and its partitioner tag; no file paths, line numbers or
+    addresses, so the same graph prints the same on every machine."""
+    from ._group import GROUP_ANNOTATION
+
+    lines = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        shape = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        if node.op == "placeholder":
+            text = f"{node.name}: {shape or 'input'}"
+        elif node.op == "output":
+            text = f"return {_format_arg(node.args[0])}"
+        else:
+            typed_name = f"{node.name}: {shape}" if shape else node.name
+            text = f"{typed_name} = {_target_name(node.target)}({_format_arg(node.args)[1:-1]})"
+        notes = []
+        annotation = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
+        if annotation is not None:
+            notes.append(f"group={annotation['group']}")
+        if "recompute" in node.meta:
+            notes.append(f"{node.meta['recompute'].name}")
+        lines.append(text + (f"  # {' '.join(notes)}" if notes else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _target_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _format_arg(arg) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return arg.name
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_format_arg(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    if isinstance(arg, torch.dtype):
+        return str(arg).removeprefix("torch.")
+    return repr(arg)
