@@ -199,3 +199,18 @@ def test_fullgraph_error_names_what_broke():
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         with pytest.raises(torch._dynamo.exc.Unsupported, match=r"(?s)graph_break.*print_shapes_for_debugging"):
             compiled(torch.randint(0, 1001, (2, 8)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="torch 2.13 partitioner: functionalize_rng_ops appends the saved RNG state of a recomputed "
+    "SDPA after the DeviceMesh objects DTensor parameters save, shifting the saved-tensor slices "
+    "(design.md, 'Known gap: compiled activation checkpointing')",
+)
+def test_compiled_checkpointed_blocks_known_gap():
+    """Tracks the gap: passes once torch fixes the ordering (then: support it and drop the config)."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True), FakeProcessGroup(2):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=1, checkpoint_blocks=True))
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
