@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "format_graph", "unsharded_bytes"]
+__all__ = ["CollectiveCounter", "GraphDump", "dump_graphs", "format_graph", "unsharded_bytes"]
 
 
 def _collective_kinds() -> dict[object, str]:
@@ -113,3 +118,47 @@ def _format_arg(arg) -> str:
     if isinstance(arg, torch.dtype):
         return str(arg).removeprefix("torch.")
     return repr(arg)
+
+
+_dump_dir: Path | None = None
+
+
+@contextlib.contextmanager
+def dump_graphs(path: str | os.PathLike) -> Iterator[Path]:
+    """Writes the joint graph of every sharded model compiled inside, before and after each pass.
+
+    Same as setting ``COMPILE_SHARD_DUMP_DIR=path``. Layout:
+    ``path/rank<r>/graph_<k>/<i>_<stage>.txt``, one file per stage (``joint``, then one
+    per pass that ran), each written by :func:`format_graph`.
+    """
+    global _dump_dir
+    previous, _dump_dir = _dump_dir, Path(path)
+    try:
+        yield _dump_dir
+    finally:
+        _dump_dir = previous
+
+
+class GraphDump:
+    """The dump folder of one compiled joint graph (see :func:`dump_graphs`)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.stages = 0
+
+    @classmethod
+    def start(cls) -> GraphDump | None:
+        """A new folder for the next compiled graph, or ``None`` when not dumping."""
+        from_environment = os.environ.get("COMPILE_SHARD_DUMP_DIR")
+        root = _dump_dir or (Path(from_environment) if from_environment else None)
+        if root is None:
+            return None
+        rank_dir = root / f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        folder = rank_dir / f"graph_{len(list(rank_dir.glob('graph_*'))):03d}"
+        folder.mkdir()
+        return cls(folder)
+
+    def write(self, stage: str, graph: torch.fx.Graph) -> None:
+        (self.folder / f"{self.stages:02d}_{stage}.txt").write_text(format_graph(graph))
+        self.stages += 1

@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from compile_shard.debug import GraphDump
+
 from ._graph import fsdp, group_annotation
 from .graph_breaks import warn_if_partial
 from .lower import lower
@@ -39,15 +41,24 @@ def has_sharded_params(graph: fx.Graph) -> bool:
     )
 
 
+_PASSES = (("refunctionalize", refunctionalize), ("reshard", reshard), ("lower", lower))
+
+
 def run_suite(graph: fx.Graph) -> dict[str, int]:
-    """Runs the enabled passes on a joint graph in order; returns what each changed."""
+    """Runs the enabled passes on a joint graph in order; returns what each changed.
+
+    With graph dumps on (``compile_shard.debug.dump_graphs``), writes the graph
+    before the suite and after each pass.
+    """
+    dump = GraphDump.start()
+    if dump:
+        dump.write("joint", graph)
     changes = {}
-    if settings.refunctionalize:
-        changes["refunctionalize"] = refunctionalize(graph)
-    if settings.reshard:
-        changes["reshard"] = reshard(graph)
-    if settings.lower:
-        changes["lower"] = lower(graph)
+    for name, graph_pass in _PASSES:
+        if getattr(settings, name):
+            changes[name] = graph_pass(graph)
+            if dump:
+                dump.write(name, graph)
     if settings.verify:
         verify(graph)
     return changes

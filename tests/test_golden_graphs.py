@@ -1,5 +1,6 @@
-"""Golden graphs: the joint graph before the suite, after each pass, and the final
-forward and backward graphs, for small models at fake world sizes 2 and 8.
+"""Golden graphs: the joint graph before the suite and after each pass (the suite's
+own graph dump), and the final forward and backward graphs (default partitioner),
+for small models at fake world sizes 2 and 8.
 
 A diff here is a review item: regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest
 tests/test_golden_graphs.py`` and explain the change in the commit message. The
@@ -15,14 +16,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn as nn
-from torch._functorch.partitioners import default_partition
 
 from compile_shard import fully_shard
-from compile_shard.debug import format_graph
+from compile_shard.debug import dump_graphs, format_graph
 from compile_shard.models import Llama, LlamaConfig
-from compile_shard.passes import lower, refunctionalize, reshard, verify
 from dist_utils import FakeProcessGroup
-from graph_utils import pass_settings
+from graph_utils import CapturingBackend
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
 GOLDEN_TORCH = "2.13"
@@ -53,39 +52,21 @@ def _llama(reshard_after_forward):
 MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama}
 
 
-def _staged_graphs(build, world_size, reshard_after_forward) -> str:
-    """Runs the suite one pass at a time inside the partitioner hook, printing each stage."""
-    sections = []
-
-    def partition_fn(joint, joint_inputs, **kwargs):
-        graph = joint.graph
-        sections.append(("joint graph before the suite", format_graph(graph)))
-        for name, graph_pass in (("refunctionalize", refunctionalize), ("reshard", reshard), ("lower", lower)):
-            graph_pass(graph)
-            verify(graph)
-            sections.append((f"after {name}", format_graph(graph)))
-        joint.recompile()
-        forward, backward = default_partition(joint, joint_inputs, **kwargs)
-        sections.append(("forward graph", format_graph(forward.graph)))
-        sections.append(("backward graph", format_graph(backward.graph)))
-        return forward, backward
-
-    from torch._dynamo.backends.common import aot_autograd
-
+def _staged_graphs(build, world_size, reshard_after_forward, dump_dir) -> str:
+    """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
+    capture = CapturingBackend()
     torch._dynamo.reset()
-    with FakeProcessGroup(world_size), pass_settings(refunctionalize=False, reshard=False, lower=False, verify=False):
+    with FakeProcessGroup(world_size), dump_graphs(dump_dir):
         torch.manual_seed(0)
         model, example = build(reshard_after_forward)
-        compiled = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed, partition_fn=partition_fn), fullgraph=True)
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         compiled(example).float().sum().backward()
     torch._dynamo.reset()
+    (graph_dir,) = (dump_dir / "rank0").iterdir()
+    sections = [(path.stem, path.read_text()) for path in sorted(graph_dir.iterdir())]
+    sections.append(("forward", format_graph(capture.forward_graphs[0].graph)))
+    sections.append(("backward", format_graph(capture.backward_graphs[0].graph)))
     return "".join(f"===== {title}\n{text}" for title, text in sections)
-
-
-def _boxed(graph_module, example_inputs):
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    return make_boxed_func(graph_module.forward)
 
 
 def _assert_golden(name: str, actual: str) -> None:
@@ -103,6 +84,6 @@ def _assert_golden(name: str, actual: str) -> None:
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no_reshard"])
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_golden_graphs(model, world_size, reshard_after_forward):
+def test_golden_graphs(model, world_size, reshard_after_forward, tmp_path):
     name = f"{model}_ws{world_size}_{'reshard' if reshard_after_forward else 'no_reshard'}"
-    _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward))
+    _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward, tmp_path))
