@@ -67,17 +67,26 @@ class FSDPState:
 
     # Around the module's forward -----------------------------------------------------
 
-    def pre_forward(self) -> None:
+    def pre_forward(self) -> list[FSDPParamGroup]:
+        """Unshards before the module's forward; returns the groups a trace showed."""
         if self.is_root:
             for state in self.subtree_states:
                 if state.group is not None:
                     for fsdp_param in state.group.fsdp_params:
                         fsdp_param.validate_device(self.mesh.device_type)
+        if torch.compiler.is_compiling():
+            # [Note: traced unshard]: the outermost sharded module gathers its whole
+            # subtree, so that nothing is written inside a checkpoint region below it.
+            groups = [state.group for state in self.subtree_states if state.group is not None]
+            return [group for group in groups if group.show_traced_unsharded_params()]
         if self.group is not None:
             self.group.pre_forward()
+        return []
 
-    def post_forward(self, output: Any) -> Any:
-        if self.group is not None:
+    def post_forward(self, output: Any, shown: list[FSDPParamGroup]) -> Any:
+        for group in shown:
+            group.hide_traced_unsharded_params()
+        if self.group is not None and not torch.compiler.is_compiling():
             output = self.group.post_forward(output)
         if self.is_root and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._register_root_pre_backward(output)
@@ -118,9 +127,9 @@ class FSDPModule:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._fsdp_state()
-        state.pre_forward()
+        shown = state.pre_forward()
         output = super().forward(*args, **kwargs)  # type: ignore[misc]
-        return state.post_forward(output)
+        return state.post_forward(output, shown)
 
     def _fsdp_state(self) -> FSDPState:
         return cast(FSDPState, _get_state(cast(nn.Module, self)))

@@ -113,14 +113,15 @@ class FSDPParamGroup:
         Eager mode keeps Python state that backward needs: the gathered tensors and
         their storage (``UnshardedParams``), hooks on outputs and on the all-gather's
         autograd node, storage frees and refills. A trace can hold none of that, and
-        storage resizing has no functional form. So while compiling, the forward
-        wrapper gathers through the same ``_all_gather`` and shows the tensors to the
-        modules only for the duration of the forward (Dynamo replays the net effect,
-        which is nothing); the pass suite then decides per group, from the annotation
-        below, what eager's storage management decides: save the unsharded parameters
-        or gather them again in backward. Showing the tensors writes Python state,
-        which Dynamo refuses inside an activation-checkpoint region (design.md,
-        "Known gap").
+        storage resizing has no functional form. So while compiling, the outermost
+        sharded module's forward wrapper gathers every group below it and shows the
+        tensors to the modules until it returns (Dynamo replays the net effect, which
+        is nothing). Nested wrappers find their group shown and write nothing: Dynamo
+        refuses Python state writes inside an activation-checkpoint region, and a
+        sharded block is often called inside one. The pass suite then decides per
+        group, from the annotation below, what eager's storage management decides:
+        where to gather (``place``), and whether backward saves the unsharded
+        parameters or gathers them again (``reshard``).
         """
         with torch.fx.traceback.annotate({GROUP_ANNOTATION: self.annotation()}):
             tensors, _ = self._all_gather()
@@ -170,21 +171,25 @@ class FSDPParamGroup:
             fresh, _ = self._all_gather()
         unsharded.refill(fresh)
 
+    def show_traced_unsharded_params(self) -> bool:
+        """Inside a trace: gathers and shows the group unless it is already shown."""
+        if self.fsdp_params[0].unsharded_param is not None:
+            return False
+        for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
+            fsdp_param.to_unsharded(tensor)
+        return True
+
+    def hide_traced_unsharded_params(self) -> None:
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+
     def pre_forward(self) -> None:
-        if torch.compiler.is_compiling():
-            for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
-                fsdp_param.to_unsharded(tensor)
-            return
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # activation-checkpoint recompute: parameters are already unsharded
         self.training_state = TrainingState.FORWARD
         self.unshard()
 
     def post_forward(self, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            for fsdp_param in self.fsdp_params:
-                fsdp_param.to_sharded()
-            return output
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
         self.training_state = TrainingState.IDLE

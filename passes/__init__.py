@@ -5,8 +5,11 @@ sharded with ``fully_shard``, right before the partitioner splits it:
 
 1. ``refunctionalize``: remove traced storage mutations.
 2. ``reshard``: tag each group's all-gather chain for recompute or for saving.
-3. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-4. ``verify``: check the graph invariants.
+3. ``save_attention``: save zero-dropout attention that a checkpoint region would
+   recompute (a torch 2.13 partitioner workaround).
+4. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
+5. ``place``: move each group's all-gather next to the forward's first use.
+6. ``verify``: check the graph invariants.
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
 A graph holding only part of a sharded model (a graph break) raises a
@@ -19,8 +22,10 @@ site-packages.
 from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
 from .install import has_sharded_params, install, run_suite
 from .lower import lower
+from .place import place
 from .refunctionalize import refunctionalize
 from .reshard import reshard
+from .save_attention import save_attention
 from .settings import PassSettings, settings
 from .verify import GraphInvariantError, verify, verify_forward
 
@@ -31,9 +36,11 @@ __all__ = [
     "has_sharded_params",
     "install",
     "lower",
+    "place",
     "refunctionalize",
     "reshard",
     "run_suite",
+    "save_attention",
     "settings",
     "verify",
     "verify_forward",

@@ -1,10 +1,12 @@
 """Warn when torch.compile captured only part of a sharded model (a graph break).
 
-A graph break splits the forward into several graphs: each side's all-gathers can no
-longer be scheduled against the other side's compute, and unsharded parameters cross
-the graph boundary as graph outputs (held in memory). Nothing fails, it is just
-slower, so the suite says so once per split, naming the groups on each side and
-Dynamo's reasons.
+A graph break splits the forward into several graphs. The unsharded parameters the
+first graph gathered then leave it as outputs and stay alive until the graphs after
+the break have used them, and no all-gather can be scheduled against compute on the
+other side of the break. Nothing fails, it is just slower and uses more memory, so
+the suite says so once per split, naming the groups and Dynamo's reasons. A graph
+is split when gathered parameters are among its outputs, or when it gathers only
+some of its model's groups.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ._graph import group_annotation
+from .place import gathered_nodes
+from .reshard import copy_out_chain
 
 _warned: set[tuple[str, ...]] = set()
 
@@ -23,24 +27,40 @@ class ShardedGraphBreakWarning(UserWarning):
     """A compiled sharded model was split across several graphs."""
 
 
+def _leaked_groups(graph: fx.Graph) -> set[str]:
+    (output,) = graph.find_nodes(op="output")
+    outputs = set(output.all_input_nodes)
+    return {
+        group_annotation(gathered)["group"]
+        for gathered in gathered_nodes(graph)
+        if outputs.intersection(copy_out_chain(gathered))
+    }
+
+
 def warn_if_partial(graph: fx.Graph) -> bool:
-    """Warns (once per split) if ``graph`` holds some but not all groups of its model."""
+    """Warns (once per split) if ``graph`` holds only part of a sharded model."""
     annotations = [a for node in graph.nodes if (a := group_annotation(node)) is not None]
     if not annotations:
         return False
     present = {a["group"] for a in annotations}
-    expected = set(annotations[0]["root_groups"])
-    missing = tuple(sorted(expected - present))
-    if not missing:
+    missing = sorted(set(annotations[0]["root_groups"]) - present)
+    leaked = sorted(_leaked_groups(graph))
+    if not missing and not leaked:
         return False
-    if missing not in _warned:
-        _warned.add(missing)
+    key = (*missing, "|", *leaked)
+    if key not in _warned:
+        _warned.add(key)
+        details = []
+        if leaked:
+            details.append(f"the unsharded parameters of {leaked} leave this graph as outputs")
+        if missing:
+            details.append(f"this graph holds the all-gathers of {sorted(present)} but not of {missing}")
         reasons = "; ".join(reason.split("\n")[0] for reason in counters["graph_break"]) or "see TORCH_LOGS=graph_breaks"
         warnings.warn(
-            f"compile_shard: torch.compile split the sharded model across graphs. This graph holds the "
-            f"all-gathers of {sorted(present)} but not of {list(missing)}: communication cannot overlap "
-            f"across the break and unsharded parameters stay alive between graphs. Dynamo's graph-break "
-            f"reasons: {reasons}. Compile with fullgraph=True to get the exact location as an error.",
+            f"compile_shard: torch.compile split the sharded model across graphs: {'; '.join(details)}. "
+            f"Unsharded parameters stay alive across the break and communication cannot overlap with "
+            f"compute on the other side. Dynamo's graph-break reasons: {reasons}. Compile with "
+            f"fullgraph=True to get the exact location as an error.",
             ShardedGraphBreakWarning,
             stacklevel=2,
         )

@@ -24,8 +24,10 @@ from compile_shard.debug import GraphDump
 from ._graph import fsdp, group_annotation
 from .graph_breaks import warn_if_partial
 from .lower import lower
+from .place import place
 from .refunctionalize import refunctionalize
 from .reshard import reshard
+from .save_attention import save_attention
 from .settings import settings
 from .verify import verify
 
@@ -41,7 +43,13 @@ def has_sharded_params(graph: fx.Graph) -> bool:
     )
 
 
-_PASSES = (("refunctionalize", refunctionalize), ("reshard", reshard), ("lower", lower))
+_PASSES = (
+    ("refunctionalize", refunctionalize),
+    ("reshard", reshard),
+    ("save_attention", save_attention),
+    ("lower", lower),
+    ("place", place),
+)
 
 
 def run_suite(graph: fx.Graph) -> dict[str, int]:

@@ -64,13 +64,22 @@ def all_gather_chain(all_gather: fx.Node) -> list[fx.Node]:
 
 
 def reshard(graph: fx.Graph) -> int:
-    """Tags every annotated ``fsdp.all_gather_into`` chain; returns how many groups it tagged."""
+    """Tags every annotated ``fsdp.all_gather_into`` chain; returns how many groups it tagged.
+
+    A chain whose gathered parameters are outputs of the graph (a graph break made
+    them cross into the next graph) stays untagged: they are alive anyway, and an
+    output cannot be recomputed.
+    """
+    (output,) = graph.find_nodes(op="output")
+    outputs = set(output.all_input_nodes)
     tagged = 0
     for index, node in enumerate(graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)):
         annotation = group_annotation(node)
         if annotation is None:
             continue
         chain = all_gather_chain(node)
+        if outputs.intersection(chain):
+            continue
         if annotation["reshard_after_forward"]:
             for chain_node in chain:
                 chain_node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -24,10 +24,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _compile_and_step(world_size, steps=2, min_cut=False, block_reshard=None, root_reshard=None, fullgraph=True):
+def _compile_and_step(
+    world_size, steps=2, min_cut=False, block_reshard=None, root_reshard=None, fullgraph=True, checkpoint_blocks=False
+):
     capture = CapturingBackend(min_cut=min_cut)
+    config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
     with FakeProcessGroup(world_size):
-        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS), block_reshard=block_reshard, root_reshard=root_reshard)
+        model, _ = build_sharded_llama(config, block_reshard=block_reshard, root_reshard=root_reshard)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=fullgraph)
         tokens = torch.randint(0, 1001, (2, 9))
         for _ in range(steps):
@@ -44,10 +47,11 @@ def _unsharded_shapes(model, world_size):
     return shapes
 
 
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["plain", "checkpointed_blocks"])
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
-def test_one_forward_and_one_backward_graph_with_the_collectives(world_size, min_cut):
-    _, capture = _compile_and_step(world_size, steps=3, min_cut=min_cut)
+def test_one_forward_and_one_backward_graph_with_the_collectives(world_size, min_cut, checkpoint_blocks):
+    _, capture = _compile_and_step(world_size, steps=3, min_cut=min_cut, checkpoint_blocks=checkpoint_blocks)
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"] and not counters["recompiles"]
     assert len(capture.forward_graphs) == 1 and len(capture.backward_graphs) == 1
@@ -70,10 +74,13 @@ def test_joint_graph_holds_fsdp_ops_before_the_suite_and_c10d_after(world_size):
     assert op_counts(joint) == {"all_gather": GROUPS, "reduce_scatter": GROUPS, "wait": 2 * GROUPS}
 
 
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["plain", "checkpointed_blocks"])
 @pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
-def test_resharding_saves_no_unsharded_parameter(min_cut):
+def test_resharding_saves_no_unsharded_parameter(min_cut, checkpoint_blocks):
     world_size = 8
-    model, capture = _compile_and_step(world_size, min_cut=min_cut, block_reshard=True, root_reshard=True)
+    model, capture = _compile_and_step(
+        world_size, min_cut=min_cut, block_reshard=True, root_reshard=True, checkpoint_blocks=checkpoint_blocks
+    )
     forward, backward = capture.forward_graphs[0].graph, capture.backward_graphs[0].graph
     (output,) = forward.find_nodes(op="output")
     saved_shapes = {tuple(node.meta["val"].shape) for node in output.all_input_nodes if "val" in node.meta}
@@ -81,9 +88,12 @@ def test_resharding_saves_no_unsharded_parameter(min_cut):
     assert op_counts(backward)["all_gather"] == GROUPS  # every group re-gathers
 
 
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["plain", "checkpointed_blocks"])
 @pytest.mark.parametrize("min_cut", [False, True], ids=["default_partitioner", "min_cut_partitioner"])
-def test_no_resharding_saves_gathered_parameters_and_backward_does_not_regather(min_cut):
-    _, capture = _compile_and_step(8, min_cut=min_cut, block_reshard=False, root_reshard=False)
+def test_no_resharding_saves_gathered_parameters_and_backward_does_not_regather(min_cut, checkpoint_blocks):
+    _, capture = _compile_and_step(
+        8, min_cut=min_cut, block_reshard=False, root_reshard=False, checkpoint_blocks=checkpoint_blocks
+    )
     assert op_counts(capture.backward_graphs[0].graph) == {"reduce_scatter": GROUPS, "wait": GROUPS}
 
 
@@ -93,8 +103,8 @@ def test_fullgraph_false_gives_the_same_single_graph():
     assert len(capture.forward_graphs) == 1
 
 
-def _compiled_matches_eager(rank, world_size, backend):
-    config = LlamaConfig(n_layers=N_LAYERS)
+def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks):
+    config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
     compiled_model, _ = build_sharded_llama(config)
     eager_model, _ = build_sharded_llama(config)
     compiled = torch.compile(compiled_model, backend=backend, fullgraph=True)
@@ -120,10 +130,20 @@ def _compiled_matches_eager(rank, world_size, backend):
     assert not counters["graph_break"] and not counters["recompiles"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_matches_eager_on_gloo(world_size, backend):
-    run_gloo(_compiled_matches_eager, world_size, backend)
+@pytest.mark.parametrize(
+    "world_size, backend, checkpoint_blocks",
+    [
+        (2, "aot_eager", False),
+        (3, "aot_eager", False),
+        (2, "inductor", False),
+        (3, "inductor", False),
+        (2, "aot_eager", True),
+        (3, "aot_eager", True),
+        (3, "inductor", True),
+    ],
+)
+def test_compiled_training_matches_eager_on_gloo(world_size, backend, checkpoint_blocks):
+    run_gloo(_compiled_matches_eager, world_size, backend, checkpoint_blocks)
 
 
 def test_graphs_given_to_inductor_hold_c10d_collectives_only():
@@ -169,11 +189,11 @@ def test_graph_break_inside_a_sharded_model_warns_once_naming_the_groups():
         with warnings.catch_warnings():
             warnings.simplefilter("error", ShardedGraphBreakWarning)  # once per split, not per step
             lm_loss(compiled, tokens).backward()
-    messages = [str(w.message) for w in first_step if issubclass(w.category, ShardedGraphBreakWarning)]
-    # The break in layers.1 splits the model into one graph per group.
-    assert len(messages) == 3
-    assert "holds the all-gathers of ['Llama'] but not of ['layers.0', 'layers.1']" in messages[0]
-    assert all("torch._dynamo.graph_break()" in message for message in messages)
+    (message,) = [str(w.message) for w in first_step if issubclass(w.category, ShardedGraphBreakWarning)]
+    # The root gathered every group in its first graph; the break in layers.1 makes
+    # all of them cross into the graphs after it.
+    assert "the unsharded parameters of ['Llama', 'layers.0', 'layers.1'] leave this graph as outputs" in message
+    assert "torch._dynamo.graph_break()" in message
 
 
 def test_fullgraph_error_names_what_broke():
@@ -201,16 +221,12 @@ def test_fullgraph_error_names_what_broke():
             compiled(torch.randint(0, 1001, (2, 8)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="torch 2.13 partitioner: functionalize_rng_ops appends the saved RNG state of a recomputed "
-    "SDPA after the DeviceMesh objects DTensor parameters save, shifting the saved-tensor slices "
-    "(design.md, 'Known gap: compiled activation checkpointing')",
-)
-def test_compiled_checkpointed_blocks_known_gap():
-    """Tracks the gap: passes once torch fixes the ordering (then: support it and drop the config)."""
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True), FakeProcessGroup(2):
-        model, _ = build_sharded_llama(LlamaConfig(n_layers=1, checkpoint_blocks=True))
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-        lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
+def test_each_block_gathers_after_the_previous_blocks_compute():
+    """The trace gathers every group up front; `place` puts each gather where eager would."""
+    _, capture = _compile_and_step(2, steps=1)
+    nodes = list(capture.forward_graphs[0].graph.nodes)
+    gathers = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    assert len(gathers) == GROUPS
+    for earlier, later in zip(gathers[1:], gathers[2:]):  # the blocks, in order
+        assert any(earlier < m < later for m in matmuls), "a block's gather is issued before the previous block computed"

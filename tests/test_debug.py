@@ -24,10 +24,17 @@ def test_dump_graphs_writes_each_stage(tmp_path):
     with dump_graphs(tmp_path):
         _compile_small_model()
     stages = sorted(path.name for path in (tmp_path / "rank0" / "graph_000").iterdir())
-    assert stages == ["00_joint.txt", "01_refunctionalize.txt", "02_reshard.txt", "03_lower.txt"]
+    assert stages == [
+        "00_joint.txt",
+        "01_refunctionalize.txt",
+        "02_reshard.txt",
+        "03_save_attention.txt",
+        "04_lower.txt",
+        "05_place.txt",
+    ]
     folder = tmp_path / "rank0" / "graph_000"
     assert "fsdp.all_gather_into.default" in (folder / "00_joint.txt").read_text()
-    lowered = (folder / "03_lower.txt").read_text()
+    lowered = (folder / "04_lower.txt").read_text()
     assert "_c10d_functional.all_gather_into_tensor.default" in lowered and "fsdp." not in lowered
     assert "MUST_RECOMPUTE" in (folder / "02_reshard.txt").read_text()
 

@@ -292,3 +292,99 @@ def test_warn_if_partial_is_silent_for_whole_models_and_foreign_graphs():
         warnings.simplefilter("error")
         assert not warn_if_partial(_annotated_gather(("blocks.0",)))
         assert not warn_if_partial(trace(lambda x: x + 1, torch.randn(2)).graph)
+
+
+# save_attention --------------------------------------------------------------------
+
+
+def _attention(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def _tag_everything(graph, policy):
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.meta["recompute"] = policy
+
+
+def _seeded_nodes(graph):
+    return [n for n in graph.nodes if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags]
+
+
+def test_save_attention_saves_zero_dropout_attention_in_checkpoint_regions():
+    from compile_shard.passes import save_attention
+
+    graph = trace(_attention, *(torch.randn(1, 2, 4, 8) for _ in range(3))).graph
+    _tag_everything(graph, CheckpointPolicy.PREFER_RECOMPUTE)
+    (attention,) = _seeded_nodes(graph)
+    assert save_attention(graph) == 1
+    assert "recompute" not in attention.meta
+    assert {user.meta["recompute"] for user in attention.users} == {CheckpointPolicy.MUST_SAVE}
+
+
+def test_save_attention_leaves_dropout_and_untagged_attention_alone():
+    from compile_shard.passes import save_attention
+
+    def with_dropout(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.1, True)[0].sum()
+
+    inputs = [torch.randn(1, 2, 4, 8) for _ in range(3)]
+    dropout_graph = trace(with_dropout, *inputs).graph
+    _tag_everything(dropout_graph, CheckpointPolicy.PREFER_RECOMPUTE)
+    assert save_attention(dropout_graph) == 0
+    untagged = trace(_attention, *inputs).graph
+    assert save_attention(untagged) == 0
+    assert not any("recompute" in n.meta for n in untagged.nodes)
+
+
+# place -----------------------------------------------------------------------------
+
+
+def _gather_early(shard_w, shard_b, x):
+    """The shape a trace has: the root gathers first, compute comes later."""
+    gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+    h = (x * 2).relu()
+    weight = gathered.view(WORLD, -1).split([12, 2], dim=1)[0].reshape(-1, 4)[:5]
+    return h @ weight.t()
+
+
+def test_place_moves_the_gather_chain_next_to_its_first_reader():
+    from compile_shard.passes import place
+
+    graph_module = _gather_early_lowered()
+    nodes = list(graph_module.graph.nodes)
+    relu = next(n for n in nodes if n.target is aten.relu.default)
+    gather = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default)
+    assert nodes.index(gather) < nodes.index(relu)
+    assert place(graph_module.graph) == 1
+    nodes = list(graph_module.graph.nodes)
+    matmul = next(n for n in nodes if n.target is aten.mm.default)
+    assert nodes.index(relu) < nodes.index(gather) < nodes.index(matmul)
+    # Between the compute before and the first reader: only the chain (copy-in, collective, copy-out).
+    chain = nodes[nodes.index(relu) + 1 : nodes.index(matmul)]
+    copy_in = {aten.reshape.default, aten.constant_pad_nd.default, aten.cat.default}
+    collective = {c10d.all_gather_into_tensor.default, c10d.wait_tensor.default}
+    assert {n.target for n in chain} <= copy_in | collective | _chain_targets()
+    verify(graph_module.graph)
+    assert place(graph_module.graph) == 0  # already in place: nothing to do
+
+
+def _gather_early_lowered():
+    graph_module = trace(_gather_early, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    lower(graph_module.graph)
+    return graph_module
+
+
+def test_place_leaves_gathers_that_leave_the_graph():
+    from compile_shard.passes import place
+
+    def leaked(shard_w, shard_b):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+        return gathered.view(WORLD, -1)
+
+    graph_module = trace(leaked, *_shards()[:2])
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    before = _code(graph_module)
+    assert place(graph_module.graph) == 0 and reshard(graph_module.graph) == 0
+    assert _code(graph_module) == before

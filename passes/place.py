@@ -1,0 +1,62 @@
+"""place: issue each group's all-gather right before the forward first reads its parameters.
+
+A trace gathers every group of the model at the start of the root's forward (see
+[Note: traced unshard]), which would keep all unsharded parameters alive through the
+whole forward. This pass moves each group's chain (copy-in, all-gather, wait and
+copy-out) to just before the first node that uses a gathered parameter, so at most
+one group is unsharded at a time, as in FSDP2's eager forward. Issuing gathers
+earlier, to overlap them with compute, is a scheduling decision for later passes.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ._graph import c10d, fsdp, group_annotation
+from .reshard import copy_out_chain
+
+_GATHERS = (fsdp.all_gather_into.default, c10d.wait_tensor.default)
+
+
+def _is_gathered(node: fx.Node) -> bool:
+    if node.target not in _GATHERS or group_annotation(node) is None:
+        return False
+    return node.target is fsdp.all_gather_into.default or node.args[0].target is c10d.all_gather_into_tensor.default
+
+
+def gathered_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes holding each group's gathered flat buffer: the fsdp op, or the wait after lowering."""
+    return [node for node in graph.nodes if _is_gathered(node)]
+
+
+def _producers(node: fx.Node) -> list[fx.Node]:
+    """``node``'s call_function ancestors: the collective and its copy-in, back to the shards."""
+    seen, stack = [], list(node.all_input_nodes)
+    while stack:
+        producer = stack.pop()
+        if producer.op == "call_function" and producer not in seen:
+            seen.append(producer)
+            stack.extend(producer.all_input_nodes)
+    return seen
+
+
+def place(graph: fx.Graph) -> int:
+    """Moves every annotated gather chain next to its first reader; returns how many moved."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    moved = 0
+    for gathered in gathered_nodes(graph):
+        chain = set(_producers(gathered)) | set(copy_out_chain(gathered))
+        readers = [user for node in chain for user in node.users if user not in chain]
+        if not readers or any(reader.op == "output" for reader in readers):
+            continue  # gathered parameters leave the graph (a graph break): leave them be
+        first_reader = min(readers, key=order.__getitem__)
+        ordered_chain = sorted(chain, key=order.__getitem__)
+        if order[ordered_chain[-1]] + 1 == order[first_reader] and all(
+            order[b] == order[a] + 1 for a, b in zip(ordered_chain, ordered_chain[1:])
+        ):
+            continue
+        for node in ordered_chain:
+            first_reader.prepend(node)
+        order = {node: index for index, node in enumerate(graph.nodes)}
+        moved += 1
+    return moved
