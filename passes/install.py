@@ -15,6 +15,8 @@ A pass a user had set on either hook before keeps running, after ours.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -31,7 +33,8 @@ from .save_attention import save_attention
 from .settings import settings
 from .verify import verify
 
-_SUITE_VERSION = "1"
+# Every pass module: a change to any of them must miss Inductor's caches.
+_PASS_SOURCES = tuple(sorted(str(path) for path in Path(__file__).parent.glob("*.py")))
 
 
 def has_sharded_params(graph: fx.Graph) -> bool:
@@ -102,7 +105,7 @@ class _InductorJointPrePass(CustomGraphPass):
 
     def uuid(self):
         previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
-        return (get_hash_for_files((__file__,)), _SUITE_VERSION, settings.cache_key(), previous)
+        return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
 
 
 def install() -> None:

@@ -212,8 +212,8 @@ def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
 # verify ----------------------------------------------------------------------------
 
 
-def _lowered_graph():
-    graph_module = trace(_gather_and_use, *_shards())
+def _lowered_graph(fn=_gather_and_use):
+    graph_module = trace(fn, *_shards())
     annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
     lower(graph_module.graph)
     return graph_module
@@ -351,7 +351,7 @@ def _gather_early(shard_w, shard_b, x):
 def test_place_moves_the_gather_chain_next_to_its_first_reader():
     from compile_shard.passes import place
 
-    graph_module = _gather_early_lowered()
+    graph_module = _lowered_graph(_gather_early)
     nodes = list(graph_module.graph.nodes)
     relu = next(n for n in nodes if n.target is aten.relu.default)
     gather = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default)
@@ -367,13 +367,6 @@ def test_place_moves_the_gather_chain_next_to_its_first_reader():
     assert {n.target for n in chain} <= copy_in | collective | _chain_targets()
     verify(graph_module.graph)
     assert place(graph_module.graph) == 0  # already in place: nothing to do
-
-
-def _gather_early_lowered():
-    graph_module = trace(_gather_early, *_shards())
-    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
-    lower(graph_module.graph)
-    return graph_module
 
 
 def test_place_leaves_gathers_that_leave_the_graph():
