@@ -75,3 +75,16 @@ def global_batch(step: int, world_size: int, batch_per_rank: int, seq: int, voca
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+class ReusedBlockModel(torch.nn.Module):
+    """A nested model that calls one (sharded) block twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 10)
+        self.block = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Tanh())
+        self.out = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.out(self.block(self.block(self.inp(x))))

@@ -20,7 +20,7 @@ import torch.nn as nn
 from compile_shard import fully_shard
 from compile_shard.debug import dump_graphs, format_graph
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import FakeProcessGroup
+from dist_utils import FakeProcessGroup, ReusedBlockModel
 from graph_utils import CapturingBackend
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
@@ -49,7 +49,14 @@ def _llama(reshard_after_forward):
     return model, torch.randint(0, config.vocab_size, (2, 8))
 
 
-MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama}
+def _reused_block(reshard_after_forward):
+    model = ReusedBlockModel()
+    fully_shard(model.block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    return model, torch.randn(4, 6)
+
+
+MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "nested_reused_block": _reused_block}
 
 
 def _staged_graphs(build, world_size, reshard_after_forward, dump_dir) -> str:

@@ -10,6 +10,8 @@ own FSDP2 shows the identical deviation; compile_shard is checked to be bit-iden
 to torch FSDP2 on the same wrapping, which is the exactness claim.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,3 +72,32 @@ def _parity_worker(rank, world_size, checkpoint_blocks, block_reshard, root_resh
 )
 def test_llama_matches_reference_and_torch_fsdp2(world_size, checkpoint_blocks, block_reshard, root_reshard):
     run_gloo(_parity_worker, world_size, checkpoint_blocks, block_reshard, root_reshard)
+
+
+def _reused_block_worker(rank, world_size, backend):
+    from compile_shard import fully_shard
+    from dist_utils import ReusedBlockModel
+
+    torch.manual_seed(0)
+    model = ReusedBlockModel()
+    reference = copy.deepcopy(model)
+    fully_shard(model.block)
+    fully_shard(model)
+    runnable = torch.compile(model, backend=backend, fullgraph=True) if backend else model
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    for step in range(3):
+        inputs = torch.randn(world_size * 4, 6, generator=torch.Generator().manual_seed(step))
+        local = inputs[4 * rank : 4 * rank + 4]
+        for m, optimizer, batch in ((runnable, optimizers[0], local), (reference, optimizers[1], inputs)):
+            loss = m(batch).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for param, reference_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), reference_param, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_block_called_twice_per_forward(backend):
+    """Eager gathers and reduces the block once per call (as FSDP2); a trace gathers it once."""
+    run_gloo(_reused_block_worker, 2, backend)
