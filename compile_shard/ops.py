@@ -104,7 +104,10 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
 
 
 def _check_reduce_op(reduce_op: str) -> None:
-    torch._check(reduce_op in _REDUCE_OPS, lambda: f"fsdp::reduce_scatter_grad: reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}")
+    torch._check(
+        reduce_op in _REDUCE_OPS,
+        lambda: f"fsdp::reduce_scatter_grad: reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}",
+    )
 
 
 def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg"):

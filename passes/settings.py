@@ -19,7 +19,8 @@ class PassSettings:
     refunctionalize: bool = True
     #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.
     reshard: bool = True
-    #: Save (not recompute) zero-dropout attention in checkpoint regions; see [Note: seeded ops under activation checkpointing].
+    #: Save (not recompute) zero-dropout attention in checkpoint regions;
+    #: see [Note: seeded ops under activation checkpointing].
     save_attention: bool = True
     #: Replace ``fsdp`` collectives with ``_c10d_functional`` collectives plus explicit copy-in.
     lower: bool = True
