@@ -87,7 +87,7 @@ def format_graph(graph: torch.fx.Graph) -> str:
         value = node.meta.get("val")
         shape = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}" if isinstance(value, torch.Tensor) else ""
         if node.op == "placeholder":
-            text = f"{node.name}: {shape or 'input'}"
+            text = f"{node.name}: {shape or ('opaque' if _is_opaque(node) else 'input')}"
         elif node.op == "output":
             text = f"return {_format_arg(node.args[0])}"
         else:
@@ -109,9 +109,17 @@ def _target_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _is_opaque(node: torch.fx.Node) -> bool:
+    """An opaque object input, such as the DeviceMesh a DTensor brings into the graph."""
+    value = node.meta.get("val")
+    return node.op == "placeholder" and value is not None and not isinstance(value, (torch.Tensor, torch.SymInt, int))
+
+
 def _format_arg(arg) -> str:
     if isinstance(arg, torch.fx.Node):
-        return arg.name
+        # Which of several equal DeviceMesh inputs a node reads depends on object
+        # identity at trace time, not on the program: print them all alike.
+        return "<opaque>" if _is_opaque(arg) else arg.name
     if isinstance(arg, (list, tuple)):
         inner = ", ".join(_format_arg(a) for a in arg)
         return f"[{inner}]" if isinstance(arg, list) else f"({inner})"

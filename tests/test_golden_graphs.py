@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from compile_shard import fully_shard
 from compile_shard.debug import dump_graphs, format_graph
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import FakeProcessGroup, ReusedBlockModel
+from dist_utils import FakeProcessGroup
 from graph_utils import CapturingBackend
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
@@ -32,31 +33,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _mlp(reshard_after_forward):
+def _shard(modules, **kwargs):
+    for module in modules:
+        fully_shard(module, **kwargs)
+
+
+def _mlp(**kwargs):
     model = nn.Sequential(nn.Linear(13, 7), nn.ReLU(), nn.Linear(7, 11), nn.ReLU(), nn.Linear(11, 5))
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    _shard([model[0], model[2], model[4], model], **kwargs)
     return model, torch.randn(4, 13)
 
 
-def _llama(reshard_after_forward):
+def _llama(**kwargs):
     config = LlamaConfig(vocab_size=37, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, max_seq_len=8)
     model = Llama(config)
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    _shard([*model.layers, model], **kwargs)
     return model, torch.randint(0, config.vocab_size, (2, 8))
 
 
-def _reused_block(reshard_after_forward):
-    model = ReusedBlockModel()
-    fully_shard(model.block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
-    return model, torch.randn(4, 6)
-
-
-MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "nested_reused_block": _reused_block}
+MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama}
 
 
 def _staged_graphs(build, world_size, reshard_after_forward, dump_dir) -> str:
@@ -65,7 +60,11 @@ def _staged_graphs(build, world_size, reshard_after_forward, dump_dir) -> str:
     torch._dynamo.reset()
     with FakeProcessGroup(world_size), dump_graphs(dump_dir):
         torch.manual_seed(0)
-        model, example = build(reshard_after_forward)
+        # One mesh object for the whole model: DTensor brings its DeviceMesh into the
+        # graph as an opaque input, and separate-but-equal meshes would make the graph
+        # depend on object identities left over from earlier tests.
+        mesh = init_device_mesh("cpu", (world_size,))
+        model, example = build(mesh=mesh, reshard_after_forward=reshard_after_forward)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         compiled(example).float().sum().backward()
     torch._dynamo.reset()
