@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ._graph import c10d, fsdp, group_annotation
+from .place import gathered_nodes
 from .reshard import copy_out_chain
 
 _COLLECTIVES = {
@@ -59,14 +60,13 @@ def verify_forward(graph: fx.Graph) -> None:
     verify(graph)
     (output,) = graph.find_nodes(op="output")
     outputs = set(output.all_input_nodes)
-    for node in graph.nodes:
-        annotation = group_annotation(node)
-        if annotation is None or not annotation["reshard_after_forward"]:
+    for gathered in gathered_nodes(graph):
+        annotation = group_annotation(gathered)
+        if not annotation["reshard_after_forward"]:
             continue
-        if node.target in (c10d.wait_tensor.default, fsdp.all_gather_into.default):
-            saved = [chain_node.name for chain_node in copy_out_chain(node) if chain_node in outputs]
-            if saved:
-                raise GraphInvariantError(
-                    f"group {annotation['group']!r} reshards after forward, but the forward saves its "
-                    f"gathered parameters: {saved}"
-                )
+        saved = [chain_node.name for chain_node in copy_out_chain(gathered) if chain_node in outputs]
+        if saved:
+            raise GraphInvariantError(
+                f"group {annotation['group']!r} reshards after forward, but the forward saves its "
+                f"gathered parameters: {saved}"
+            )
