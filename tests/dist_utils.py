@@ -29,6 +29,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # No rank may tear down its gloo pairs while a peer still runs a collective:
+        # gloo aborts the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
