@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,20 +80,30 @@ def unsharded_bytes(module: torch.nn.Module) -> int:
 def format_graph(graph: torch.fx.Graph) -> str:
     """A stable, readable listing of ``graph``: one line per node with its shape,
     its fully_shard group and its partitioner tag; no file paths, line numbers or
-    addresses, so the same graph prints the same on every machine."""
+    addresses, so the same graph prints the same on every machine.
+
+    Opaque inputs (the ``DeviceMesh`` every DTensor brings along) are left out:
+    how many of them a trace has depends on object identities left over from
+    earlier compilations, not on the program. Placeholders are renumbered among
+    the others (``primals_3`` is the third non-opaque ``primals`` input), so the
+    listing does not shift with them either.
+    """
     from ._group import GROUP_ANNOTATION
 
+    names = _stable_names(graph)
     lines = []
     for node in graph.nodes:
+        if _is_opaque(node):
+            continue
         value = node.meta.get("val")
         shape = f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}" if isinstance(value, torch.Tensor) else ""
         if node.op == "placeholder":
-            text = f"{node.name}: {shape or ('opaque' if _is_opaque(node) else 'input')}"
+            text = f"{names[node]}: {shape or 'input'}"
         elif node.op == "output":
-            text = f"return {_format_arg(node.args[0])}"
+            text = f"return {_format_arg(node.args[0], names)}"
         else:
-            typed_name = f"{node.name}: {shape}" if shape else node.name
-            text = f"{typed_name} = {_target_name(node.target)}({_format_arg(node.args)[1:-1]})"
+            typed_name = f"{names[node]}: {shape}" if shape else names[node]
+            text = f"{typed_name} = {_target_name(node.target)}({_format_arg(node.args, names)[1:-1]})"
         notes = []
         annotation = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
         if annotation is not None:
@@ -101,6 +112,18 @@ def format_graph(graph: torch.fx.Graph) -> str:
             notes.append(f"{node.meta['recompute'].name}")
         lines.append(text + (f"  # {' '.join(notes)}" if notes else ""))
     return "\n".join(lines) + "\n"
+
+
+def _stable_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
+    names, counts = {}, Counter()
+    for node in graph.nodes:
+        prefix = re.fullmatch(r"(primals|tangents)_\d+", node.name)
+        if node.op == "placeholder" and prefix and not _is_opaque(node):
+            counts[prefix.group(1)] += 1
+            names[node] = f"{prefix.group(1)}_{counts[prefix.group(1)]}"
+        else:
+            names[node] = node.name
+    return names
 
 
 def _target_name(target) -> str:
@@ -115,13 +138,11 @@ def _is_opaque(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and value is not None and not isinstance(value, (torch.Tensor, torch.SymInt, int))
 
 
-def _format_arg(arg) -> str:
+def _format_arg(arg, names: dict[torch.fx.Node, str]) -> str:
     if isinstance(arg, torch.fx.Node):
-        # Which of several equal DeviceMesh inputs a node reads depends on object
-        # identity at trace time, not on the program: print them all alike.
-        return "<opaque>" if _is_opaque(arg) else arg.name
+        return "<opaque>" if _is_opaque(arg) else names[arg]
     if isinstance(arg, (list, tuple)):
-        inner = ", ".join(_format_arg(a) for a in arg)
+        inner = ", ".join(_format_arg(a, names) for a in arg if not (isinstance(a, torch.fx.Node) and _is_opaque(a)))
         return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
     if isinstance(arg, torch.dtype):
         return str(arg).removeprefix("torch.")

@@ -4,12 +4,18 @@ The passes run, in this order, on the joint forward-backward graph of a model
 sharded with ``fully_shard``, right before the partitioner splits it:
 
 1. ``refunctionalize``: remove traced storage mutations.
-2. ``reshard``: tag each group's all-gather chain for recompute or for saving.
-3. ``save_attention``: save zero-dropout attention that a checkpoint region would
+2. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
+3. ``reshard``: tag each group's all-gather chain for recompute or for saving.
+4. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
-4. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-5. ``place``: move each group's all-gather next to the forward's first use.
-6. ``verify``: check the graph invariants.
+5. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
+6. ``place``: move each group's all-gather next to the forward's first use.
+7. ``verify``: check the graph invariants.
+
+Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
+``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters
+early (the schedule), ``verify`` again; ``keep_order`` makes Inductor's scheduler
+keep that schedule.
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
 A graph holding only part of a sharded model (a graph break) raises a
@@ -20,10 +26,13 @@ site-packages.
 """
 
 from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
-from .install import has_sharded_params, install, run_suite
+from .bucket import bucket
+from .install import has_sharded_params, install, run_partitioned_suite, run_suite
+from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
+from .reorder import schedule
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import PassSettings, settings
@@ -33,14 +42,18 @@ __all__ = [
     "GraphInvariantError",
     "PassSettings",
     "ShardedGraphBreakWarning",
+    "bucket",
     "has_sharded_params",
     "install",
+    "keep_fx_order",
     "lower",
     "place",
     "refunctionalize",
     "reshard",
+    "run_partitioned_suite",
     "run_suite",
     "save_attention",
+    "schedule",
     "settings",
     "verify",
     "verify_forward",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -52,3 +53,48 @@ class NodeInserter:
             if key in self.meta_source.meta:
                 node.meta[key] = self.meta_source.meta[key]
         return node
+
+
+def reorder_by_priority(graph: fx.Graph, priority: dict[fx.Node, float]) -> int:
+    """Reorders ``graph`` topologically, running the ready node with the lowest priority first.
+
+    A node inherits the lowest priority of its users, so an urgent node's producers
+    are not starved by less urgent ready work. Nodes without a priority keep their
+    current position as one; ties keep the current order. Placeholders stay first, in
+    their order, and the output last. Returns how many nodes changed position.
+    """
+    nodes = list(graph.nodes)
+    position = {node: index for index, node in enumerate(nodes)}
+    # A pass may have inserted nodes out of order: inherit along a true topological order.
+    effective = {}
+    for node in reversed(_topological_order(nodes, position)):
+        own = priority.get(node, float(position[node]))
+        effective[node] = min([own, *(effective[user] for user in node.users)])
+    order = _topological_order(nodes, {node: (effective[node], position[node]) for node in nodes})
+    # Placeholders are the calling convention: they keep their order.
+    placeholders = [node for node in nodes if node.op == "placeholder"]
+    (output,) = [node for node in order if node.op == "output"]
+    order = placeholders + [node for node in order if node.op not in ("placeholder", "output")] + [output]
+    moved = sum(1 for index, node in enumerate(order) if position[node] != index)
+    for node in order[len(placeholders) : -1]:
+        output.prepend(node)
+    return moved
+
+
+def _topological_order(nodes: list[fx.Node], key: dict[fx.Node, Any]) -> list[fx.Node]:
+    """Kahn's algorithm, taking the ready node with the lowest ``key`` first."""
+    index = {node: i for i, node in enumerate(nodes)}
+    waiting = {node: len(node.all_input_nodes) for node in nodes}
+    ready = [(key[node], index[node]) for node in nodes if waiting[node] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for user in nodes[i].users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (key[user], index[user]))
+    if len(order) != len(nodes):
+        raise RuntimeError("graph has a cycle")
+    return order

@@ -1,6 +1,6 @@
 """Installs the suite into torch.compile's pipeline, chained with passes already there.
 
-Two hooks, both set once by ``fully_shard`` (``install()`` is idempotent):
+Four hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
 
 - ``torch._functorch.config.joint_custom_pass`` runs on the AOT joint graph right
   before partitioning, for every backend (``aot_eager`` and ``inductor`` alike): the
@@ -9,6 +9,12 @@ Two hooks, both set once by ``fully_shard`` (``install()`` is idempotent):
   joint graph afterwards; ours verifies the invariants again after Inductor's own
   joint-graph preparation and, through its ``uuid``, puts the pass settings into
   Inductor's and AOTAutograd's cache keys (the functorch hook is not part of them).
+- ``torch._inductor.config.post_grad_custom_post_pass`` runs on the partitioned
+  forward and backward graphs: ``reorder`` schedules them there
+  (``run_partitioned_suite``). Backends without such a hook (``aot_eager``) run the
+  partitioner's order; a custom backend can call ``run_partitioned_suite`` itself.
+- ``torch._inductor.config.reorder_for_compute_comm_overlap_passes`` gets
+  ``keep_fx_order``, so Inductor's scheduler emits that order (see ``keep_order``).
 
 A pass a user had set on either hook before keeps running, after ours.
 """
@@ -24,10 +30,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from compile_shard.debug import GraphDump
 
 from ._graph import fsdp, group_annotation
+from .bucket import bucket
 from .graph_breaks import warn_if_partial
+from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
+from .reorder import schedule
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import settings
@@ -48,6 +57,7 @@ def has_sharded_params(graph: fx.Graph) -> bool:
 
 _PASSES = (
     ("refunctionalize", refunctionalize),
+    ("bucket", lambda graph: bucket(graph, settings.bucket_cap_mb)),
     ("reshard", reshard),
     ("save_attention", save_attention),
     ("lower", lower),
@@ -73,6 +83,16 @@ def run_suite(graph: fx.Graph) -> dict[str, int]:
     if settings.verify:
         verify(graph)
     return changes
+
+
+def run_partitioned_suite(graph: fx.Graph) -> int:
+    """Schedules one partitioned forward or backward graph (``reorder``); returns how many nodes moved."""
+    moved = 0
+    if settings.reorder:
+        moved = schedule(graph, settings.prefetch_depth, settings.reduce_scatter_depth)
+    if settings.verify:
+        verify(graph)
+    return moved
 
 
 class _JointPass:
@@ -108,11 +128,38 @@ class _InductorJointPrePass(CustomGraphPass):
         return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
 
 
+class _PostGradPass(CustomGraphPass):
+    """Inductor's post-grad hook: schedules each partitioned graph, then the previously installed pass."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if has_sharded_params(graph):
+            run_partitioned_suite(graph)
+        if self.previous is not None:
+            self.previous(graph)
+
+    def uuid(self):
+        previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
+        return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
+
+
 def install() -> None:
-    """Puts the suite on both hooks unless it is already there."""
+    """Puts the suite on every hook unless it is already there."""
     functorch_config = torch._functorch.config
     if not isinstance(functorch_config.joint_custom_pass, _JointPass):
         functorch_config.joint_custom_pass = _JointPass(functorch_config.joint_custom_pass)
     inductor_config = torch._inductor.config
     if not isinstance(inductor_config.joint_custom_pre_pass, _InductorJointPrePass):
         inductor_config.joint_custom_pre_pass = _InductorJointPrePass(inductor_config.joint_custom_pre_pass)
+    if not isinstance(inductor_config.post_grad_custom_post_pass, _PostGradPass):
+        inductor_config.post_grad_custom_post_pass = _PostGradPass(inductor_config.post_grad_custom_post_pass)
+    if keep_fx_order not in inductor_config.reorder_for_compute_comm_overlap_passes:
+        # Torch's own overlap passes stay if the user turned them on; ours runs last.
+        previous = inductor_config.reorder_for_compute_comm_overlap_passes
+        inductor_config.reorder_for_compute_comm_overlap_passes = [
+            *(previous if inductor_config.reorder_for_compute_comm_overlap else ()),
+            keep_fx_order,
+        ]
+        inductor_config.reorder_for_compute_comm_overlap = True

@@ -22,10 +22,24 @@ class PassSettings:
     #: Save (not recompute) zero-dropout attention in checkpoint regions;
     #: see [Note: seeded ops under activation checkpointing].
     save_attention: bool = True
+    #: Merge adjacent groups' collectives up to ``bucket_cap_mb`` (unsharded MB).
+    bucket: bool = True
+    #: Bucket size cap in MB; ``None`` keeps one all-gather and one reduce-scatter per group (FSDP2).
+    bucket_cap_mb: float | None = None
     #: Replace ``fsdp`` collectives with ``_c10d_functional`` collectives plus explicit copy-in.
     lower: bool = True
     #: Issue each group's all-gather right before the forward first reads it.
     place: bool = True
+    #: Schedule the partitioned forward and backward graphs for overlap (see ``reorder``).
+    reorder: bool = True
+    #: How many groups ahead an all-gather is issued (0: right before use).
+    prefetch_depth: int = 1
+    #: How many reduce-scatters stay in flight before the oldest is waited on.
+    reduce_scatter_depth: int = 1
+    #: Peak-memory cap for a scheduled graph in MB; the prefetch depth is lowered to fit.
+    memory_budget_mb: float | None = None
+    #: Hardware profile for the simulator (budget, dumps); ``None``: by the graph's device.
+    cost_profile: str | None = None
     #: Check the graph invariants after the suite (raises ``GraphInvariantError``).
     verify: bool = True
 

@@ -13,7 +13,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_shard._group import GROUP_ANNOTATION
-from compile_shard.passes import settings
+from compile_shard.passes import has_sharded_params, run_partitioned_suite, settings
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -45,7 +45,11 @@ def op_counts(graph: fx.Graph) -> Counter:
 
 
 class CapturingBackend:
-    """An AOT backend that records the joint, forward and backward graphs it compiles."""
+    """An AOT backend that records the joint, forward and backward graphs it compiles.
+
+    Like Inductor's post-grad hook, its compilers schedule the partitioned graphs
+    (``run_partitioned_suite``) before running them eagerly.
+    """
 
     def __init__(self, min_cut: bool = False):
         self.joint_graphs: list[fx.GraphModule] = []
@@ -59,6 +63,9 @@ class CapturingBackend:
 
         def keep(graphs):
             def compiler(graph_module, example_inputs):
+                if has_sharded_params(graph_module.graph):
+                    run_partitioned_suite(graph_module.graph)
+                    graph_module.recompile()
                 graphs.append(graph_module)
                 return make_boxed_func(graph_module.forward)
 

@@ -221,12 +221,19 @@ def test_fullgraph_error_names_what_broke():
             compiled(torch.randint(0, 1001, (2, 8)))
 
 
-def test_each_block_gathers_after_the_previous_blocks_compute():
-    """The trace gathers every group up front; `place` puts each gather where eager would."""
-    _, capture = _compile_and_step(2, steps=1)
+@pytest.mark.parametrize("prefetch_depth", [0, 1])
+def test_each_block_is_gathered_prefetch_depth_blocks_ahead(prefetch_depth):
+    """The trace gathers every group up front; `place` and `reorder` put each gather where the schedule wants it."""
+    with pass_settings(prefetch_depth=prefetch_depth):
+        _, capture = _compile_and_step(2, steps=1)
     nodes = list(capture.forward_graphs[0].graph.nodes)
     gathers = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    waits = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.wait_tensor.default]
     matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
-    assert len(gathers) == GROUPS
-    for earlier, later in zip(gathers[1:], gathers[2:]):  # the blocks, in order
-        assert any(earlier < m < later for m in matmuls), "a block's gather is issued before the previous block computed"
+    assert len(gathers) == len(waits) == GROUPS
+    # The blocks, in order: with prefetch, block 1 is issued before block 0 computes.
+    computes_between = [any(a < m < b for m in matmuls) for a, b in zip(gathers[1:], gathers[2:])]
+    assert computes_between == [prefetch_depth == 0] * (N_LAYERS - 1)
+    # Either way a block's wait comes only after the previous block computed.
+    for earlier, later in zip(waits[1:], waits[2:]):
+        assert any(earlier < m < later for m in matmuls)

@@ -27,16 +27,17 @@ def test_dump_graphs_writes_each_stage(tmp_path):
     assert stages == [
         "00_joint.txt",
         "01_refunctionalize.txt",
-        "02_reshard.txt",
-        "03_save_attention.txt",
-        "04_lower.txt",
-        "05_place.txt",
+        "02_bucket.txt",
+        "03_reshard.txt",
+        "04_save_attention.txt",
+        "05_lower.txt",
+        "06_place.txt",
     ]
     folder = tmp_path / "rank0" / "graph_000"
     assert "fsdp.all_gather_into.default" in (folder / "00_joint.txt").read_text()
-    lowered = (folder / "04_lower.txt").read_text()
+    lowered = (folder / "05_lower.txt").read_text()
     assert "_c10d_functional.all_gather_into_tensor.default" in lowered and "fsdp." not in lowered
-    assert "MUST_RECOMPUTE" in (folder / "02_reshard.txt").read_text()
+    assert "MUST_RECOMPUTE" in (folder / "03_reshard.txt").read_text()
 
 
 def test_dump_dir_from_environment(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Golden graphs: the joint graph before the suite and after each pass (the suite's
-own graph dump), and the final forward and backward graphs (default partitioner),
-for small models at fake world sizes 2 and 8.
+own graph dump), and the final forward and backward graphs (default partitioner,
+then ``reorder``), for small models at fake world sizes 2 and 8, with resharding on
+and off and with cross-group bucketing off (FSDP2's one collective per group) and on.
 
 A diff here is a review item: regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest
 tests/test_golden_graphs.py`` and explain the change in the commit message. The
@@ -21,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from compile_shard import fully_shard
 from compile_shard.debug import dump_graphs, format_graph
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import FakeProcessGroup
-from graph_utils import CapturingBackend
+from dist_utils import FakeProcessGroup, ReusedBlockModel
+from graph_utils import CapturingBackend, pass_settings
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
 GOLDEN_TORCH = "2.13"
@@ -51,14 +52,23 @@ def _llama(**kwargs):
     return model, torch.randint(0, config.vocab_size, (2, 8))
 
 
-MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama}
+def _reused_block(**kwargs):
+    torch.manual_seed(0)
+    model = ReusedBlockModel()
+    _shard([model.block, model], **kwargs)
+    return model, torch.randn(4, 6)
 
 
-def _staged_graphs(build, world_size, reshard_after_forward, dump_dir) -> str:
+MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "reused_block": _reused_block}
+# A cap that merges every pair of adjacent groups in these small models and no more.
+BUCKET_CAP_MB = {"mlp3_uneven": 0.001, "llama2_tied": 0.012, "reused_block": 0.01}
+
+
+def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None) -> str:
     """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
     capture = CapturingBackend()
     torch._dynamo.reset()
-    with FakeProcessGroup(world_size), dump_graphs(dump_dir):
+    with FakeProcessGroup(world_size), dump_graphs(dump_dir), pass_settings(bucket_cap_mb=bucket_cap_mb):
         torch.manual_seed(0)
         # One mesh object for the whole model: DTensor brings its DeviceMesh into the
         # graph as an opaque input, and separate-but-equal meshes would make the graph
@@ -87,9 +97,12 @@ def _assert_golden(name: str, actual: str) -> None:
         pytest.fail(f"{path.name} changed (EXPECTTEST_ACCEPT=1 regenerates):\n{diff[:20000]}")
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["", "bucketed"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no_reshard"])
 @pytest.mark.parametrize("world_size", [2, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_golden_graphs(model, world_size, reshard_after_forward, tmp_path):
+def test_golden_graphs(model, world_size, reshard_after_forward, bucketed, tmp_path):
     name = f"{model}_ws{world_size}_{'reshard' if reshard_after_forward else 'no_reshard'}"
-    _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward, tmp_path))
+    name += "_bucketed" if bucketed else ""
+    cap = BUCKET_CAP_MB[model] if bucketed else None
+    _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward, tmp_path, cap))

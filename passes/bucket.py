@@ -1,0 +1,199 @@
+"""bucket: merge the all-gathers (and reduce-scatters) of groups used one after another into one collective.
+
+By default every ``fully_shard`` group keeps its own all-gather and reduce-scatter,
+as in FSDP2, and this pass does nothing. With ``settings.bucket_cap_mb`` set, groups
+whose forwards follow each other are merged while the bucket's unsharded size stays
+within the cap: fewer, larger collectives, which pays off when per-collective
+latency dominates (many small groups, a slow network).
+
+[Note: bucketed copy-out]
+A group's gathered buffer is rank-major: ``[rank 0: p0 p1 ..., rank 1: p0 p1 ...]``,
+and the runtime copies it out with ``view(world_size, -1).split(padded_numels, 1)``.
+The merged all-gather takes the concatenated shard lists, so its buffer is
+``[rank 0: group A's shards, group B's shards, rank 1: ...]``, and one
+``split`` over the concatenated ``padded_numels`` yields exactly the chunks the
+groups' own splits did: their ``getitem`` readers are pointed at the merged split
+and no extra copy appears. The matching reduce-scatters in backward are merged by
+concatenating the groups' gradients per rank (``cat`` on dim 1 of the
+``[world_size, numel]`` views) and splitting the reduced shard back. The merged
+nodes carry one annotation whose ``group`` is ``"A+B"`` and whose ``members``
+names the groups, so the later passes and the graph dumps treat a bucket as one group.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from compile_shard._group import GROUP_ANNOTATION
+
+from ._graph import NodeInserter, fsdp, group_annotation, reorder_by_priority
+from .reshard import copy_out_chain
+
+aten = torch.ops.aten
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
+
+
+def members(annotation: dict[str, Any]) -> list[str]:
+    """The ``fully_shard`` groups behind an annotated node: one, or a bucket's several."""
+    return list(annotation.get("members", [annotation["group"]]))
+
+
+def _copy_out_split(all_gather: fx.Node) -> fx.Node | None:
+    """The ``split`` of the runtime's copy-out (``view(ws, -1).split(numels, 1)``), if that is the pattern."""
+    users = list(all_gather.users)
+    if len(users) != 1 or users[0].target is not aten.view.default:
+        return None
+    splits = list(users[0].users)
+    if len(splits) != 1 or splits[0].target not in _SPLITS:
+        return None
+    if any(user.target is not operator.getitem for user in splits[0].users):
+        return None
+    return splits[0]
+
+
+def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
+    chain = set(copy_out_chain(all_gather))
+    readers = [user for node in chain for user in node.users if user not in chain]
+    if not readers or any(reader.op == "output" for reader in readers):
+        return None
+    return min(position[reader] for reader in readers)
+
+
+def _bucket_key(all_gather: fx.Node) -> tuple:
+    """Groups can share a collective only on the same process group, dtype and resharding policy."""
+    _, _, world_size, group_name = all_gather.args
+    annotation = group_annotation(all_gather)
+    return world_size, group_name, all_gather.meta["val"].dtype, annotation["reshard_after_forward"]
+
+
+def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
+    """Runs of all-gathers, in forward order, to merge; each run within ``cap_bytes``."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    gathers = [
+        node
+        for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+        if group_annotation(node) is not None
+    ]
+    per_group = Counter(group_annotation(node)["group"] for node in gathers)
+    ordered = sorted(
+        (reader, node) for node in gathers if (reader := _first_reader(node, position)) is not None
+    )
+    runs, current = [], []
+    for _, node in ordered:
+        mergeable = per_group[group_annotation(node)["group"]] == 1 and _copy_out_split(node) is not None
+        size = node.meta["val"].untyped_storage().nbytes()
+        fits = current and _bucket_key(current[0]) == _bucket_key(node)
+        fits = fits and sum(n.meta["val"].untyped_storage().nbytes() for n in current) + size <= cap_bytes
+        if mergeable and fits:
+            current.append(node)
+            continue
+        runs.append(current)
+        current = [node] if mergeable else []
+    runs.append(current)
+    return [run for run in runs if len(run) > 1]
+
+
+def _bucket_annotation(nodes: list[fx.Node]) -> dict[str, Any]:
+    groups = [group for node in nodes for group in members(group_annotation(node))]
+    return {**group_annotation(nodes[0]), "group": "+".join(groups), "members": groups}
+
+
+def _annotate(nodes: list[fx.Node], annotation: dict[str, Any]) -> None:
+    for node in nodes:
+        node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: annotation}
+
+
+def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: dict[str, Any]) -> None:
+    first = gathers[0]
+    _, _, world_size, group_name = first.args
+    shards = [shard for node in gathers for shard in node.args[0]]
+    padded_numels = [numel for node in gathers for numel in node.args[1]]
+    insert = NodeInserter(graph, first, first)
+    merged = insert(fsdp.all_gather_into.default, shards, padded_numels, world_size, group_name)
+    per_rank = insert(aten.view.default, merged, [world_size, -1])
+    split = insert(aten.split_with_sizes.default, per_rank, padded_numels, 1)
+    new_nodes, replaced = [merged, per_rank, split], []
+    offset = 0
+    for node in gathers:
+        old_split = _copy_out_split(node)
+        for getitem in old_split.users:
+            replacement = insert(operator.getitem, split, offset + getitem.args[1])
+            new_nodes.append(replacement)
+            getitem.replace_all_uses_with(replacement)
+        offset += len(node.args[1])
+        replaced += [*old_split.users, old_split, old_split.args[0], node]
+    # Erased only now: ``first`` anchors the insertions above.
+    for node in replaced:
+        graph.erase_node(node)
+    _annotate(new_nodes, annotation)
+
+
+def _reduce_scatter_args(node: fx.Node) -> tuple:
+    unsharded_grad, world_size, group_name, *rest = node.args
+    return unsharded_grad, world_size, group_name, rest[0] if rest else node.kwargs.get("reduce_op", "avg")
+
+
+def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: dict[str, Any]) -> None:
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    last = max(reductions, key=position.__getitem__)
+    _, world_size, group_name, reduce_op = _reduce_scatter_args(last)
+    insert = NodeInserter(graph, last, last)
+    per_rank = [insert(aten.view.default, _reduce_scatter_args(node)[0], [world_size, -1]) for node in reductions]
+    concatenated = insert(aten.cat.default, per_rank, 1)
+    flat = insert(aten.view.default, concatenated, [-1])
+    merged = insert(fsdp.reduce_scatter_grad.default, flat, world_size, group_name, reduce_op)
+    split = insert(aten.split_with_sizes.default, merged, [node.meta["val"].numel() for node in reductions])
+    new_nodes = [*per_rank, concatenated, flat, merged, split]
+    for index, node in enumerate(reductions):
+        replacement = insert(operator.getitem, split, index)
+        new_nodes.append(replacement)
+        node.replace_all_uses_with(replacement)
+    for node in reductions:  # erased only now: ``last`` anchors the insertions above
+        graph.erase_node(node)
+    _annotate(new_nodes, annotation)
+
+
+def _reductions_of(graph: fx.Graph, gathers: list[fx.Node]) -> list[fx.Node] | None:
+    """The bucket's reduce-scatters (one per group, in group order), or None if they cannot be merged."""
+    by_group: dict[str, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default):
+        annotation = group_annotation(node)
+        if annotation is not None:
+            by_group.setdefault(annotation["group"], []).append(node)
+    groups = [group_annotation(node)["group"] for node in gathers]
+    if any(len(by_group.get(group, [])) != 1 for group in groups):
+        return None
+    reductions = [by_group[group][0] for group in groups]
+    keys = {(_reduce_scatter_args(node)[1:], node.meta["val"].dtype) for node in reductions}
+    return reductions if len(keys) == 1 else None
+
+
+def bucket(graph: fx.Graph, cap_mb: float | None) -> int:
+    """Merges runs of adjacent groups within ``cap_mb`` MB (unsharded); returns how many collectives it removed.
+
+    A group whose gradients cannot be merged alike (no reduce-scatter in this graph,
+    as in an inference trace, or different reduce settings) keeps its all-gather
+    too, so forward and backward buckets always match.
+    """
+    if not cap_mb:
+        return 0
+    removed = 0
+    for gathers in _plan(graph, cap_mb * 2**20):
+        reductions = _reductions_of(graph, gathers)
+        has_backward = bool(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default))
+        if has_backward and reductions is None:
+            continue
+        annotation = _bucket_annotation(gathers)
+        _merge_gathers(graph, gathers, annotation)
+        removed += len(gathers) - 1
+        if reductions:
+            _merge_reductions(graph, reductions, annotation)
+            removed += len(reductions) - 1
+    if removed:
+        reorder_by_priority(graph, {})
+    return removed

@@ -1,0 +1,154 @@
+"""reorder: issue all-gathers ahead of their group's compute and reduce-scatters as soon as gradients are final.
+
+Runs on the partitioned forward and backward graphs (the partitioner decides where
+backward's recomputed gathers and gradient reductions go, so scheduling them on the
+joint graph would be undone). It sees *units*: a gather unit is a group's copy-in,
+all-gather, wait and copy-out; a reduce unit is a group's gradient copy-in,
+reduce-scatter, wait and the division after it. Everything else is compute, kept in
+its order.
+
+[Note: the schedule]
+Gather units are numbered in the order the graph first reads them (forward order in
+the forward graph, reverse order in backward). With prefetch depth ``d``, unit ``k``
+is issued right before unit ``k - d`` is waited on, so its transfer overlaps the
+compute of the ``d`` groups before it; units ``k < d`` are issued at the start. Its
+wait and copy-out stay right before its first reader. A group's
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` lists
+(FSDP2's knobs) add constraints: each listed group is issued no later than the
+prefetching group's wait. A reduce unit is issued as soon as its last gradient is
+computed; its wait goes right after the next ``reduce_scatter_depth``-th reduce unit
+is issued (the last ones at the end), so that many reductions are in flight while
+backward computes. All of it is one priority-ordered topological sort
+(``reorder_by_priority``), so data dependencies always win over the schedule.
+
+Each issued-but-unwaited all-gather holds a group's unsharded parameters: a deeper
+prefetch costs one group's unsharded size per step of depth. With a memory budget,
+the depth is lowered until the simulated peak of the graph fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from ._graph import c10d, group_annotation, reorder_by_priority
+from .bucket import members
+from .reshard import copy_out_chain
+
+_GATHER = c10d.all_gather_into_tensor.default
+_REDUCE = c10d.reduce_scatter_tensor.default
+
+
+@dataclass
+class _Unit:
+    collective: fx.Node
+    wait: fx.Node
+    copy_in: list[fx.Node] = field(default_factory=list)
+    copy_out: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def members(self) -> list[str]:
+        return members(group_annotation(self.collective))
+
+
+def _copy_in(unit: _Unit) -> list[fx.Node]:
+    """The unit's own producers of its collective: shard views, padding and cat, or gradient slices and cat.
+
+    They carry the annotation of one of the unit's groups; the first producer that
+    does not (a shard input, a gradient matmul) is where the unit starts to depend
+    on the rest of the graph.
+    """
+    groups = set(unit.members)
+    found, stack = [], list(unit.collective.all_input_nodes)
+    while stack:
+        node = stack.pop()
+        annotation = group_annotation(node)
+        if node in found or node.op != "call_function" or annotation is None:
+            continue
+        if not set(members(annotation)) <= groups:
+            continue
+        found.append(node)
+        stack.extend(node.all_input_nodes)
+    return found
+
+
+def _units(graph: fx.Graph, target) -> list[_Unit]:
+    units = []
+    for collective in graph.find_nodes(op="call_function", target=target):
+        if group_annotation(collective) is None or len(collective.users) != 1:
+            continue
+        (wait,) = collective.users
+        units.append(_Unit(collective, wait))
+    return units
+
+
+def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
+    chain = set(copy_out_chain(unit.wait))
+    readers = [user for node in chain for user in node.users if user not in chain]
+    if not readers or any(reader.op == "output" for reader in readers):
+        return None
+    unit.copy_out = [node for node in chain if node is not unit.wait]
+    return min(position[reader] for reader in readers)
+
+
+def _is_backward(graph: fx.Graph) -> bool:
+    return any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
+
+
+def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[fx.Node, float]:
+    units = _units(graph, _GATHER)
+    timed = sorted((reader, index) for index, unit in enumerate(units) if (reader := _first_reader(unit, position)) is not None)
+    ordered = [units[index] for _, index in timed]
+    wait_at = {id(unit): reader - 0.5 for (reader, _), unit in zip(timed, ordered)}
+    issue_at = {}
+    for k, unit in enumerate(ordered):
+        issue_at[id(unit)] = wait_at[id(ordered[k - depth])] - 0.25 if k >= depth else -1.0
+    by_group = {group: unit for unit in ordered for group in unit.members}
+    for unit in ordered:
+        for group in group_annotation(unit.collective).get(explicit_key, ()):
+            target = by_group.get(group)
+            if target is not None and target is not unit:
+                issue_at[id(target)] = min(issue_at[id(target)], wait_at[id(unit)] - 0.25)
+    priority = {}
+    for unit in ordered:
+        unit.copy_in = _copy_in(unit)
+        for node in [*unit.copy_in, unit.collective]:
+            priority[node] = issue_at[id(unit)]
+        for node in [unit.wait, *unit.copy_out]:
+            priority[node] = wait_at[id(unit)]
+    return priority
+
+
+def _reduce_priorities(graph, position, depth: int) -> dict[fx.Node, float]:
+    """Issue each reduce-scatter right after its last gradient; wait ``depth`` reductions later."""
+    units = _units(graph, _REDUCE)
+    ready_at = {}
+    for unit in units:
+        unit.copy_in = _copy_in(unit)
+        inside = set(unit.copy_in)
+        producers = [p for node in [*unit.copy_in, unit.collective] for p in node.all_input_nodes if p not in inside]
+        ready_at[id(unit)] = max(position[producer] for producer in producers) + 0.5
+    units.sort(key=lambda unit: ready_at[id(unit)])
+    end = float(len(position))
+    priority = {}
+    for j, unit in enumerate(units):
+        for node in [*unit.copy_in, unit.collective]:
+            priority[node] = ready_at[id(unit)]
+        priority[unit.wait] = ready_at[id(units[j + depth])] + 0.75 if j + depth < len(units) else end
+    return priority
+
+
+def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int = 1) -> int:
+    """Reorders one partitioned graph; returns how many nodes moved.
+
+    ``prefetch_depth`` 0 gathers right before use (no overlap); ``reduce_scatter_depth``
+    0 waits every reduce-scatter as soon as it is issued.
+    """
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    explicit_key = "backward_prefetch" if _is_backward(graph) else "forward_prefetch"
+    priority = _gather_priorities(graph, position, prefetch_depth, explicit_key)
+    priority.update(_reduce_priorities(graph, position, reduce_scatter_depth))
+    if not priority:
+        return 0
+    return reorder_by_priority(graph, priority)
