@@ -60,6 +60,11 @@ class FSDPState:
             if state.group is not None:
                 state.group.root_groups = root_groups
 
+    def group_for_prefetch(self, knob: str) -> FSDPParamGroup:
+        if self.group is None:
+            raise ValueError(f"{knob}: {_label(self.module)} has no parameters of its own to prefetch after")
+        return self.group
+
     def resolved_reshard_after_forward(self) -> bool:
         if self.reshard_after_forward is None:
             return not self.is_root  # FSDP2: the root is needed right away in backward
@@ -110,6 +115,19 @@ class FSDPState:
                 state.group.finalize_backward()
 
 
+def _prefetch_groups(modules: list[FSDPModule], knob: str) -> list[FSDPParamGroup]:
+    groups = []
+    for module in modules:
+        state = _get_state(module) if isinstance(module, nn.Module) else None
+        if state is None or state.group is None:
+            raise ValueError(
+                f"{knob}: {type(module).__name__} is not a module with parameters sharded by fully_shard; "
+                "pass modules returned by fully_shard(...)"
+            )
+        groups.append(state.group)
+    return groups
+
+
 def _get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
@@ -149,6 +167,23 @@ class FSDPModule:
         group = self._fsdp_state().group
         if group is not None:
             group.reshard()
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gathers ``modules``' parameters when this module's forward starts (FSDP2's knob).
+
+        Eager: their all-gathers are issued right after this module's own. Compiled:
+        the ``reorder`` pass issues them no later than this module's wait. Set it
+        before compiling: the lists are read when the model is traced.
+        """
+        self._fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch").forward_prefetch = (
+            _prefetch_groups(modules, "set_modules_to_forward_prefetch")
+        )
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Re-gathers ``modules``' parameters when this module's backward starts (FSDP2's knob)."""
+        self._fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch").backward_prefetch = (
+            _prefetch_groups(modules, "set_modules_to_backward_prefetch")
+        )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)``, ``to_empty(...)``: re-pads shards whose storage was replaced."""

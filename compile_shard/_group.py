@@ -88,6 +88,9 @@ class FSDPParamGroup:
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.root_groups: tuple[str, ...] = (module_name,)
+        # FSDP2's explicit prefetch lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``).
+        self.forward_prefetch: list[FSDPParamGroup] = []
+        self.backward_prefetch: list[FSDPParamGroup] = []
         self.training_state = TrainingState.IDLE
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
@@ -133,6 +136,8 @@ class FSDPParamGroup:
             "group": self.module_name,
             "reshard_after_forward": self.reshard_after_forward,
             "root_groups": self.root_groups,
+            "forward_prefetch": tuple(group.module_name for group in self.forward_prefetch),
+            "backward_prefetch": tuple(group.module_name for group in self.backward_prefetch),
         }
 
     # Lifecycle --------------------------------------------------------------------
@@ -188,6 +193,8 @@ class FSDPParamGroup:
             return  # activation-checkpoint recompute: parameters are already unsharded
         self.training_state = TrainingState.FORWARD
         self.unshard()
+        for group in self.forward_prefetch:
+            group.unshard()
 
     def post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
@@ -234,6 +241,17 @@ class FSDPParamGroup:
         for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
             fsdp_param.to_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
+        for group in self.backward_prefetch:
+            group.prefetch_for_backward()
+
+    def prefetch_for_backward(self) -> None:
+        """Re-gathers, ahead of its own backward, the parameters the group's latest forward freed."""
+        for ref in reversed(self._live):
+            unsharded = ref()
+            if unsharded is not None and not unsharded.backward_done:
+                if unsharded.is_freed:
+                    self._refill(unsharded)
+                return
 
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True

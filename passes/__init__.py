@@ -9,8 +9,9 @@ sharded with ``fully_shard``, right before the partitioner splits it:
 4. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
 5. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-6. ``place``: move each group's all-gather next to the forward's first use.
-7. ``verify``: check the graph invariants.
+6. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
+7. ``place``: move each group's all-gather next to the forward's first use.
+8. ``verify``: check the graph invariants.
 
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 ``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters
@@ -27,6 +28,7 @@ site-packages.
 
 from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
 from .bucket import bucket
+from .copy_out import copy_out
 from .install import has_sharded_params, install, run_partitioned_suite, run_suite
 from .keep_order import keep_fx_order
 from .lower import lower
@@ -43,6 +45,7 @@ __all__ = [
     "PassSettings",
     "ShardedGraphBreakWarning",
     "bucket",
+    "copy_out",
     "has_sharded_params",
     "install",
     "keep_fx_order",

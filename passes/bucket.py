@@ -99,8 +99,13 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
 
 
 def _bucket_annotation(nodes: list[fx.Node]) -> dict[str, Any]:
-    groups = [group for node in nodes for group in members(group_annotation(node))]
-    return {**group_annotation(nodes[0]), "group": "+".join(groups), "members": groups}
+    annotations = [group_annotation(node) for node in nodes]
+    groups = [group for annotation in annotations for group in members(annotation)]
+    bucket = {**annotations[0], "group": "+".join(groups), "members": groups}
+    for knob in ("forward_prefetch", "backward_prefetch"):
+        listed = [name for annotation in annotations for name in annotation.get(knob, ()) if name not in groups]
+        bucket[knob] = tuple(dict.fromkeys(listed))
+    return bucket
 
 
 def _annotate(nodes: list[fx.Node], annotation: dict[str, Any]) -> None:
@@ -125,6 +130,14 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: dict[str
             replacement = insert(operator.getitem, split, offset + getitem.args[1])
             new_nodes.append(replacement)
             getitem.replace_all_uses_with(replacement)
+            for user in list(replacement.users):
+                if user.target is aten.view.default:
+                    # A lone group's chunk was contiguous and viewed; inside a bucket it is
+                    # strided and must be copied, in the form traces copy other chunks.
+                    contiguous = insert(aten.clone.default, replacement, memory_format=torch.contiguous_format)
+                    new_nodes.append(contiguous)
+                    user.args = (contiguous, *user.args[1:])
+                    user.target = aten._unsafe_view.default
         offset += len(node.args[1])
         replaced += [*old_split.users, old_split, old_split.args[0], node]
     # Erased only now: ``first`` anchors the insertions above.

@@ -31,6 +31,7 @@ from compile_shard.debug import GraphDump
 
 from ._graph import fsdp, group_annotation
 from .bucket import bucket
+from .copy_out import copy_out
 from .graph_breaks import warn_if_partial
 from .keep_order import keep_fx_order
 from .lower import lower
@@ -61,6 +62,7 @@ _PASSES = (
     ("reshard", reshard),
     ("save_attention", save_attention),
     ("lower", lower),
+    ("copy_out", copy_out),
     ("place", place),
 )
 

@@ -84,9 +84,14 @@ def _units(graph: fx.Graph, target) -> list[_Unit]:
 
 
 def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
+    """Where the graph first computes with the unit's gathered parameters.
+
+    The output does not count: a forward that saves the parameters for backward
+    (no resharding) still computes with them first.
+    """
     chain = set(copy_out_chain(unit.wait))
-    readers = [user for node in chain for user in node.users if user not in chain]
-    if not readers or any(reader.op == "output" for reader in readers):
+    readers = [user for node in chain for user in node.users if user not in chain and user.op != "output"]
+    if not readers:
         return None
     unit.copy_out = [node for node in chain if node is not unit.wait]
     return min(position[reader] for reader in readers)

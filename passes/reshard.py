@@ -45,12 +45,18 @@ def _is_chain_node(node: fx.Node) -> bool:
 
 
 def copy_out_chain(gathered: fx.Node) -> list[fx.Node]:
-    """``gathered`` and the single-input view/copy nodes that follow it."""
+    """``gathered`` and the view/copy nodes that follow it: single-input ones, and a
+    ``cat`` of chain nodes only (``copy_out`` concatenates a group's copies)."""
     chain = [gathered]
     frontier = list(gathered.users)
     while frontier:
         node = frontier.pop()
-        if node in chain or not _is_chain_node(node):
+        if node in chain:
+            continue
+        joins_chain = node.target is torch.ops.aten.cat.default and all(
+            producer in chain for producer in node.all_input_nodes
+        )
+        if not (joins_chain or _is_chain_node(node)):
             continue
         chain.append(node)
         frontier.extend(node.users)

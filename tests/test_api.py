@@ -94,3 +94,45 @@ def _optimizer_and_norm_worker(rank, world_size):
 
 def test_clip_grad_norm_and_state_dict_on_gloo():
     run_gloo(_optimizer_and_norm_worker, 3)
+
+
+def test_forward_prefetch_gathers_the_listed_blocks_when_the_first_starts(fake_pg):
+    model, _ = build_sharded_llama(LlamaConfig(n_layers=3))
+    model.layers[0].set_modules_to_forward_prefetch([model.layers[2]])
+    unsharded_while_block0_runs = {}
+
+    def record(module, args):
+        unsharded_while_block0_runs.update({i: block._fsdp_state().group.unsharded is not None for i, block in enumerate(model.layers)})
+
+    model.layers[0].attention_norm.register_forward_pre_hook(record)
+    with CollectiveCounter() as counter:
+        lm_loss(model, torch.randint(0, 1001, (2, 9))).backward()
+    assert unsharded_while_block0_runs == {0: True, 1: False, 2: True}
+    assert counter.counts["all_gather"] == 4 + 3  # no extra all-gather: block 2 reuses the prefetched one
+
+
+def test_backward_prefetch_refills_the_listed_block_when_the_first_starts_backward(fake_pg):
+    model, _ = build_sharded_llama(LlamaConfig(n_layers=3))
+    model.layers[2].set_modules_to_backward_prefetch([model.layers[0]])
+    block0 = model.layers[0]._fsdp_state().group
+    seen = []
+
+    def record(grad):
+        live = [ref() for ref in block0._live if ref() is not None]
+        seen.append(not live[-1].is_freed)
+        return grad
+
+    loss = lm_loss(model, torch.randint(0, 1001, (2, 9)))
+    # Runs during block 2's backward, after its pre-backward: block 0 is refilled by then.
+    model.layers[2].feed_forward.w2.weight.register_hook(record)
+    with CollectiveCounter() as counter:
+        loss.backward()
+    assert seen == [True]
+    assert counter.counts["all_gather"] == 3  # each resharded block once, block 0 early
+    assert unsharded_bytes(model) == 0
+
+
+def test_prefetch_knobs_reject_modules_that_are_not_sharded(fake_pg):
+    model, _ = build_sharded_llama(LlamaConfig(n_layers=2))
+    with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: Linear is not a module with parameters sharded"):
+        model.layers[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])

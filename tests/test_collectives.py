@@ -1,4 +1,4 @@
-"""Collectives per training step equal torch FSDP2's for the same wrapping."""
+"""Collectives per training step equal torch FSDP2's for the same wrapping, eager and compiled."""
 
 import pytest
 import torch
@@ -6,8 +6,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
+from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
+from graph_utils import op_counts, pass_settings
 
 WRAPPINGS = [
     pytest.param(False, None, None, id="default"),
@@ -37,3 +39,26 @@ def test_collectives_per_step_equal_torch_fsdp2(world_size, checkpoint_blocks, b
     groups, resharded_blocks = 4, 3 if block_reshard is not False else 0
     resharded_root = 1 if root_reshard else 0
     assert ours == {"all_gather": groups + resharded_blocks + resharded_root, "reduce_scatter": groups}
+
+
+def _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard, bucket_cap_mb=None):
+    config = LlamaConfig(n_layers=3, checkpoint_blocks=checkpoint_blocks)
+    model, _ = build_sharded_llama(config, block_reshard=block_reshard, root_reshard=root_reshard)
+    tokens = torch.randint(0, config.vocab_size, (2, 9))
+    with pass_settings(bucket_cap_mb=bucket_cap_mb):
+        graphs = capture_step(model, lambda compiled: lm_loss(compiled, tokens))
+    counts = op_counts(graphs[0].graph) + op_counts(graphs[1].graph)
+    return {kind: counts[kind] for kind in ("all_gather", "reduce_scatter")}
+
+
+@pytest.mark.parametrize("checkpoint_blocks, block_reshard, root_reshard", WRAPPINGS)
+def test_compiled_collectives_per_step_equal_torch_fsdp2_and_fewer_with_buckets(
+    checkpoint_blocks, block_reshard, root_reshard
+):
+    with FakeProcessGroup(8):
+        theirs = _step_counts(torch_fully_shard, checkpoint_blocks, block_reshard, root_reshard)
+        ours = _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard)
+        # A cap that fits two blocks (0.19 MB each, unsharded) but not three.
+        bucketed = _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard, bucket_cap_mb=0.5)
+    assert ours == theirs
+    assert bucketed["all_gather"] < ours["all_gather"] and bucketed["reduce_scatter"] < ours["reduce_scatter"]

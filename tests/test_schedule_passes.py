@@ -1,0 +1,320 @@
+"""bucket, reorder (schedule), keep_order and the priority sort, on small hand-built graphs."""
+
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.fx as fx
+
+from compile_shard._group import GROUP_ANNOTATION
+from compile_shard.passes import bucket, keep_fx_order, lower, place, reshard, schedule, verify
+from compile_shard.passes._graph import reorder_by_priority
+from dist_utils import FakeProcessGroup, run_gloo
+from graph_utils import c10d, fsdp, trace
+
+aten = torch.ops.aten
+WORLD, GROUP = 2, "0"
+# Three groups, each a weight of 5 rows (3 padded rows per rank) and 4 columns.
+NUMELS = [12]
+
+
+def _layer(h, shard):
+    gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP)
+    (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+    weight = per_rank.reshape(-1, 4)[:5]
+    return (h @ weight.t()).relu()[:, :4]
+
+
+def _three_layers(s0, s1, s2, x):
+    h = x
+    for shard in (s0, s1, s2):
+        h = _layer(h, shard)
+    return h
+
+
+def _inputs():
+    return [torch.randn(3, 4) for _ in range(3)] + [torch.randn(2, 4)]
+
+
+def _annotate(graph, groups, reshard_after_forward=True, **knobs):
+    """Annotates the fsdp gathers (in graph order) and every node of their copy-out as the runtime would."""
+    gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    for node, group in zip(gathers, groups):
+        annotation = {"group": group, "reshard_after_forward": reshard_after_forward}
+        annotation.update({knob: tuple(names.get(group, ())) for knob, names in knobs.items()})
+        chain = [node, *node.users, *(u for user in node.users for u in user.users)]
+        chain += [g for split in list(chain) for g in split.users if g.target is operator.getitem]
+        for chain_node in chain:
+            chain_node.meta["custom"] = {GROUP_ANNOTATION: annotation}
+
+
+def _traced(fn=_three_layers, inputs=None, groups=("a", "b", "c"), **knobs):
+    graph_module = trace(fn, *(inputs or _inputs()))
+    _annotate(graph_module.graph, groups, **knobs)
+    return graph_module
+
+
+def _position(graph, predicate):
+    return [index for index, node in enumerate(graph.nodes) if predicate(node)]
+
+
+def _is(target):
+    return lambda node: node.target is target
+
+
+# reorder_by_priority ---------------------------------------------------------------
+
+
+def test_reorder_by_priority_runs_urgent_work_first_but_never_before_its_inputs():
+    graph_module = trace(lambda x, y: (x.sin(), y.cos().exp()), torch.randn(2), torch.randn(2))
+    graph = graph_module.graph
+    sin, cos, exp = (next(n for n in graph.nodes if n.target is t) for t in (aten.sin.default, aten.cos.default, aten.exp.default))
+    assert reorder_by_priority(graph, {exp: -1.0}) > 0
+    names = [n.name for n in graph.nodes]
+    # exp is urgent, so its input cos inherits the urgency; both run before sin.
+    assert names.index("cos") < names.index("exp") < names.index("sin")
+    assert [n.op for n in graph.nodes][:2] == ["placeholder", "placeholder"]
+    graph.lint()
+    x, y = torch.randn(2), torch.randn(2)
+    graph_module.recompile()
+    torch.testing.assert_close(graph_module(x, y), (x.sin(), y.cos().exp()))
+
+
+def test_reorder_by_priority_keeps_placeholders_in_calling_order():
+    graph_module = trace(lambda x, y: y.exp() + x, torch.randn(2), torch.randn(2))
+    placeholder_names = [n.name for n in graph_module.graph.find_nodes(op="placeholder")]
+    x = graph_module.graph.find_nodes(op="placeholder")[0]
+    reorder_by_priority(graph_module.graph, {x: 100.0})
+    assert [n.name for n in graph_module.graph.find_nodes(op="placeholder")] == placeholder_names
+
+
+# bucket --------------------------------------------------------------------------
+
+
+def test_bucket_merges_adjacent_groups_within_the_cap():
+    graph_module = _traced()
+    graph = graph_module.graph
+    group_bytes = WORLD * NUMELS[0] * 4
+    assert bucket(graph, cap_mb=2.5 * group_bytes / 2**20) == 1  # a+b fit, c does not
+    gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    assert len(gathers) == 2
+    merged = next(n for n in gathers if len(n.args[0]) == 2)
+    assert list(merged.args[1]) == NUMELS * 2
+    annotation = merged.meta["custom"][GROUP_ANNOTATION]
+    assert annotation["group"] == "a+b" and annotation["members"] == ["a", "b"]
+    graph.lint()
+    # reshard and place see the bucket as one group.
+    assert reshard(graph) == 2
+    lower(graph)
+    place(graph)
+    verify(graph)
+
+
+def test_bucket_does_nothing_without_a_cap_or_below_one_pair():
+    graph_module = _traced()
+    before = graph_module.print_readable(print_output=False)
+    assert bucket(graph_module.graph, cap_mb=None) == 0
+    assert bucket(graph_module.graph, cap_mb=1.5 * WORLD * NUMELS[0] * 4 / 2**20) == 0
+    assert graph_module.print_readable(print_output=False) == before
+
+
+def test_bucket_keeps_groups_with_different_resharding_apart():
+    graph_module = trace(_three_layers, *_inputs())
+    graph = graph_module.graph
+    _annotate(graph, ["a", "b", "c"])
+    gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    gathers[1].meta["custom"] = {GROUP_ANNOTATION: {"group": "b", "reshard_after_forward": False}}
+    assert bucket(graph, cap_mb=100.0) == 0  # a | b | c: no two neighbors agree
+
+
+def _gather_and_reduce(s0, s1, g0, g1, x):
+    """A forward's two gathers and a backward's two reduce-scatters, as in a joint graph."""
+    outputs = []
+    for shard in (s0, s1):
+        gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP)
+        (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+        outputs.append(x @ per_rank.reshape(-1, 4)[:5].t())
+    grads = [torch.ops.fsdp.reduce_scatter_grad(g.reshape(-1) * 2, WORLD, GROUP, "avg") for g in (g1, g0)]
+    return outputs, grads
+
+
+def _annotate_reductions(graph, groups):
+    for node, group in zip(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default), groups):
+        node.meta["custom"] = {GROUP_ANNOTATION: {"group": group, "reshard_after_forward": True}}
+
+
+def test_bucket_merges_the_matching_reduce_scatters():
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
+    graph_module = trace(_gather_and_reduce, *inputs)
+    graph = graph_module.graph
+    _annotate(graph, ["a", "b"])
+    _annotate_reductions(graph, ["b", "a"])  # backward runs in reverse
+    assert bucket(graph, cap_mb=1.0) == 2
+    (reduction,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
+    assert reduction.meta["custom"][GROUP_ANNOTATION]["group"] == "a+b"
+    assert reduction.meta["val"].shape == (2 * NUMELS[0],)
+    graph.lint()
+
+
+def test_bucket_leaves_groups_whose_gradients_it_cannot_merge():
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
+    graph_module = trace(_gather_and_reduce, *inputs)
+    _annotate(graph_module.graph, ["a", "b"])
+    _annotate_reductions(graph_module.graph, ["b", "other"])
+    assert bucket(graph_module.graph, cap_mb=1.0) == 0
+
+
+def _bucketed_graph_computes_the_same(rank, world_size):
+    inputs = [torch.full((3, 4), float(rank + 1)), torch.full((3, 4), 10.0 * (rank + 1))]
+    inputs += [torch.arange(24.0).view(6, 4), torch.arange(24.0).view(6, 4) * -1, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
+    expected = _gather_and_reduce(*inputs)
+    graph_module = trace(_gather_and_reduce, *inputs)
+    _annotate(graph_module.graph, ["a", "b"])
+    _annotate_reductions(graph_module.graph, ["b", "a"])
+    assert bucket(graph_module.graph, cap_mb=1.0) == 2
+    graph_module.recompile()
+    torch.testing.assert_close(graph_module(*inputs), expected, rtol=0, atol=0)
+
+
+def test_bucketed_graph_computes_what_separate_collectives_compute():
+    run_gloo(_bucketed_graph_computes_the_same, WORLD)
+
+
+# reorder (schedule) ---------------------------------------------------------------
+
+
+def _lowered(**knobs):
+    graph_module = _traced(**knobs)
+    for graph_pass in (reshard, lower, place):
+        graph_pass(graph_module.graph)
+    return graph_module
+
+
+def _issue_and_wait_positions(graph):
+    gathers = _position(graph, _is(c10d.all_gather_into_tensor.default))
+    waits = _position(graph, _is(c10d.wait_tensor.default))
+    return gathers, waits
+
+
+def test_schedule_issues_each_gather_before_the_previous_groups_wait():
+    graph_module = _lowered()
+    graph = graph_module.graph
+    gathers, waits = _issue_and_wait_positions(graph)
+    assert all(wait < gather for wait, gather in zip(waits, gathers[1:]))  # place: one group at a time
+    assert schedule(graph, prefetch_depth=1) > 0
+    verify(graph)
+    gathers, waits = _issue_and_wait_positions(graph)
+    matmuls = _position(graph, _is(aten.mm.default))
+    # Group k+1 is issued before group k is waited on; group k computes before k+1 is waited on.
+    assert all(gather < wait for gather, wait in zip(gathers[1:], waits))
+    assert all(wait < mm < next_wait for wait, mm, next_wait in zip(waits, matmuls, waits[1:]))
+    assert schedule(graph, prefetch_depth=1) == 0  # already scheduled
+
+
+def test_schedule_with_depth_two_issues_two_groups_ahead_and_depth_zero_none():
+    graph_module = _lowered()
+    schedule(graph_module.graph, prefetch_depth=2)
+    gathers, waits = _issue_and_wait_positions(graph_module.graph)
+    assert gathers[2] < waits[0]
+    schedule(graph_module.graph, prefetch_depth=0)
+    gathers, waits = _issue_and_wait_positions(graph_module.graph)
+    assert all(wait < gather for wait, gather in zip(waits, gathers[1:]))
+
+
+def test_schedule_honours_explicit_forward_prefetch():
+    graph_module = _lowered(forward_prefetch={"a": ["c"]})
+    schedule(graph_module.graph, prefetch_depth=0)
+    position = {n.meta["custom"][GROUP_ANNOTATION]["group"] + "." + n.target.__name__.split(".")[0]: i
+                for i, n in enumerate(graph_module.graph.nodes)
+                if n.target in (c10d.all_gather_into_tensor.default, c10d.wait_tensor.default)}
+    # With no implicit prefetch, c is still issued before a is waited on; b is not.
+    assert position["c.all_gather_into_tensor"] < position["a.wait_tensor"] < position["b.all_gather_into_tensor"]
+
+
+def _backward_like(g_a, g_b, g_c, x):
+    """Three gradients computed one after another, each reduce-scattered."""
+    grads, h = [], x
+    for g in (g_c, g_b, g_a):
+        h = (h @ g.t()).tanh() @ g
+        grads.append(torch.ops.fsdp.reduce_scatter_grad((g * h.sum()).reshape(-1), WORLD, GROUP, "avg"))
+    return grads
+
+
+def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later():
+    graph_module = trace(_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
+    graph = graph_module.graph
+    _annotate_reductions(graph, ["c", "b", "a"])
+    for node in graph.nodes:  # the gradient copy-in belongs to its group
+        if node.target is aten.view.default and next(iter(node.users)).target is fsdp.reduce_scatter_grad.default:
+            node.meta["custom"] = next(iter(node.users)).meta["custom"]
+    lower(graph)
+    # Move every reduction to the end, as the partitioner leaves them.
+    output = graph.find_nodes(op="output")[0]
+    for node in [n for n in graph.nodes if n.meta.get("custom")]:
+        output.prepend(node)
+    for node in [n for n in graph.nodes if n.target is aten.div.Tensor]:
+        output.prepend(node)
+    assert schedule(graph, reduce_scatter_depth=1) > 0
+    verify(graph)
+    issues = _position(graph, _is(c10d.reduce_scatter_tensor.default))
+    waits = _position(graph, _is(c10d.wait_tensor.default))
+    tanhs = _position(graph, _is(aten.tanh.default))
+    # Reduction k is issued before the next gradient's compute; it is waited on after reduction k+1 is issued.
+    assert issues[0] < tanhs[1] and issues[1] < tanhs[2]
+    assert issues[1] < waits[0] < issues[2] < waits[1]
+    assert waits[2] > tanhs[2]
+
+
+def test_schedule_leaves_graphs_without_annotated_collectives_alone():
+    graph_module = trace(_three_layers, *_inputs())
+    lower(graph_module.graph)
+    before = graph_module.print_readable(print_output=False)
+    assert schedule(graph_module.graph) == 0
+    assert graph_module.print_readable(print_output=False) == before
+
+
+# keep_order ------------------------------------------------------------------------
+
+
+class _SchedulerNode:
+    """A stand-in for an Inductor scheduler node: the attributes keep_fx_order reads."""
+
+    def __init__(self, name, origins, ancestors=()):
+        self.name = name
+        self.node = SimpleNamespace(get_origins=lambda: origins)
+        self.ancestors = set(ancestors)
+
+    def get_nodes(self):
+        return [self]
+
+    def get_operation_names(self):
+        return {self.name}
+
+
+def test_keep_fx_order_restores_the_fx_order_within_dependencies():
+    graph_module = _lowered()
+    schedule(graph_module.graph)
+    nodes = list(graph_module.graph.nodes)
+    gather = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default)
+    mm = next(n for n in nodes if n.target is aten.mm.default)
+    late_gather = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default][1]
+    first, second, third = _SchedulerNode("g0", [gather]), _SchedulerNode("mm", [mm], ["g0"]), _SchedulerNode("g1", [late_gather])
+    # Inductor put the prefetch (g1) after the matmul; the FX schedule has it before.
+    assert [s.name for s in keep_fx_order([first, second, third])] == ["g0", "g1", "mm"]
+    # A dependency wins over the FX order.
+    dependent = _SchedulerNode("g1", [late_gather], ["mm"])
+    assert [s.name for s in keep_fx_order([first, second, dependent])] == ["g0", "mm", "g1"]
+
+
+def test_keep_fx_order_leaves_unannotated_graphs_alone():
+    graph_module = trace(lambda x: x.sin().cos(), torch.randn(2))
+    sin, cos = [n for n in graph_module.graph.nodes if n.op == "call_function"]
+    snodes = [_SchedulerNode("cos", [cos]), _SchedulerNode("sin", [sin])]
+    assert keep_fx_order(snodes) is snodes
+
+
+@pytest.fixture(autouse=True)
+def fake_group():
+    with FakeProcessGroup(WORLD):
+        yield
