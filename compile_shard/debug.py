@@ -65,6 +65,15 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def recompiles() -> int:
+    """Dynamo recompilations since ``torch._dynamo.utils.clear_compilation_metrics()``.
+
+    torch 2.13 no longer counts them in ``torch._dynamo.utils.counters["recompiles"]``;
+    its compilation metrics still record each recompilation's reason.
+    """
+    return sum(1 for metrics in torch._dynamo.utils.get_compilation_metrics() if metrics.recompile_reason)
+
+
 def unsharded_bytes(module: torch.nn.Module) -> int:
     """Bytes of unsharded parameter storage alive for the fully_shard groups under ``module``.
 
@@ -154,11 +163,23 @@ _dump_dir: Path | None = None
 
 @contextlib.contextmanager
 def dump_graphs(path: str | os.PathLike) -> Iterator[Path]:
-    """Writes the joint graph of every sharded model compiled inside, before and after each pass.
+    """Writes what the pass suite did to every sharded model compiled inside, and the schedule it chose.
 
-    Same as setting ``COMPILE_SHARD_DUMP_DIR=path``. Layout:
-    ``path/rank<r>/graph_<k>/<i>_<stage>.txt``, one file per stage (``joint``, then one
-    per pass that ran), each written by :func:`format_graph`.
+    Same as setting ``COMPILE_SHARD_DUMP_DIR=path``. Layout, one folder per compiled
+    graph, ``path/rank<r>/graph_<k>/``:
+
+    - ``<i>_<stage>.txt``: the joint graph before the suite (``joint``) and after each
+      pass that ran, then the scheduled ``forward`` and ``backward`` graphs, each
+      written by :func:`format_graph`;
+    - ``schedule.txt``: per collective, its group, bytes, where it is issued and
+      waited, the compute it overlaps and its simulated exposed time;
+    - ``timeline.svg``: the simulated compute and communication lanes, by group;
+    - ``index.html``: the timeline, the schedule and links to every file.
+
+    The simulation uses ``compile_shard.passes.settings.cost_profile`` (by default
+    ``h100_nvlink`` for CUDA graphs, ``cpu_gloo`` otherwise). The forward and backward
+    files need a backend with the post-partition hook (Inductor, or one that calls
+    ``run_partitioned_suite``).
     """
     global _dump_dir
     previous, _dump_dir = _dump_dir, Path(path)
@@ -169,11 +190,15 @@ def dump_graphs(path: str | os.PathLike) -> Iterator[Path]:
 
 
 class GraphDump:
-    """The dump folder of one compiled joint graph (see :func:`dump_graphs`)."""
+    """The dump folder of one compiled joint graph and its partitioned graphs (see :func:`dump_graphs`)."""
+
+    #: The folder of the joint graph compiled last: its forward and backward follow it.
+    latest: GraphDump | None = None
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.stages = 0
+        self.partitioned: dict[str, torch.fx.Graph] = {}
 
     @classmethod
     def start(cls) -> GraphDump | None:
@@ -181,13 +206,29 @@ class GraphDump:
         from_environment = os.environ.get("COMPILE_SHARD_DUMP_DIR")
         root = _dump_dir or (Path(from_environment) if from_environment else None)
         if root is None:
+            cls.latest = None
             return None
         rank_dir = root / f"rank{dist.get_rank() if dist.is_initialized() else 0}"
         rank_dir.mkdir(parents=True, exist_ok=True)
         folder = rank_dir / f"graph_{len(list(rank_dir.glob('graph_*'))):03d}"
         folder.mkdir()
-        return cls(folder)
+        cls.latest = cls(folder)
+        return cls.latest
 
     def write(self, stage: str, graph: torch.fx.Graph) -> None:
         (self.folder / f"{self.stages:02d}_{stage}.txt").write_text(format_graph(graph))
         self.stages += 1
+
+    def write_partitioned(self, kind: str, graph: torch.fx.Graph, profile_name: str) -> None:
+        """Writes a scheduled forward or backward graph, then the schedule of the graphs seen so far."""
+        from .passes.cost_model import get_profile
+        from .passes.simulate import simulate_step
+        from .schedule_report import GRAPH_NAMES, index_html, schedule_table, timeline_svg
+
+        self.write(kind, graph)
+        self.partitioned[kind] = graph
+        graphs = [self.partitioned[name] for name in GRAPH_NAMES if name in self.partitioned]
+        simulation = simulate_step(graphs, get_profile(profile_name))
+        (self.folder / "schedule.txt").write_text(schedule_table(simulation))
+        (self.folder / "timeline.svg").write_text(timeline_svg(simulation))
+        (self.folder / "index.html").write_text(index_html(self.folder, profile_name))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from . import fully_shard
-from .debug import CollectiveCounter
+from .debug import CollectiveCounter, recompiles
 from .models import Llama, LlamaConfig
 
 
@@ -138,7 +138,7 @@ def _train(args: argparse.Namespace) -> None:
         stats = counters["stats"]
         print(
             f"compiled ({args.backend}): {stats['unique_graphs']} graph(s), {sum(counters['graph_break'].values())} "
-            f"graph break(s), {sum(counters['recompiles'].values())} recompile(s); step 1 includes compilation"
+            f"graph break(s), {recompiles()} recompile(s); step 1 includes compilation"
         )
     print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(peak_rss_mb)))
 

@@ -26,6 +26,11 @@ def group_annotation(node: fx.Node) -> dict[str, Any] | None:
     return node.meta.get("custom", {}).get(GROUP_ANNOTATION)
 
 
+def is_backward(graph: fx.Graph) -> bool:
+    """Whether a partitioned graph is the backward one: AOTAutograd names its gradient inputs ``tangents_*``."""
+    return any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
+
+
 def fake_value(target: Callable, args: tuple, kwargs: dict | None = None) -> Any:
     """Runs ``target`` on the fake values of the argument nodes (for ``meta["val"]``)."""
     kwargs = kwargs or {}

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from compile_shard._group import GROUP_ANNOTATION
 
-from ._graph import NodeInserter, fsdp, group_annotation, reorder_by_priority
+from ._graph import NodeInserter, fake_value, fsdp, group_annotation, reorder_by_priority
 from .reshard import copy_out_chain
 
 aten = torch.ops.aten
@@ -138,6 +138,7 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: dict[str
                     new_nodes.append(contiguous)
                     user.args = (contiguous, *user.args[1:])
                     user.target = aten._unsafe_view.default
+                    user.meta["val"] = fake_value(user.target, user.args, user.kwargs)
         offset += len(node.args[1])
         replaced += [*old_split.users, old_split, old_split.args[0], node]
     # Erased only now: ``first`` anchors the insertions above.

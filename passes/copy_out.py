@@ -44,6 +44,8 @@ def _parameter_copies(gathered: fx.Node) -> list[fx.Node] | None:
         views_of_clone = list(users[0].users)
         if len(views_of_clone) != 1 or views_of_clone[0].target not in _VIEWS:
             return None
+        if not views_of_clone[0].meta["val"].is_contiguous():
+            return None  # a clone that kept the chunk's strides: not a flat copy to concatenate
         copies.append(views_of_clone[0])
     return copies if len(copies) > 1 else None
 

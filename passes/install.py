@@ -29,7 +29,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from compile_shard.debug import GraphDump
 
-from ._graph import fsdp, group_annotation
+from ._graph import fsdp, group_annotation, is_backward
 from .bucket import bucket
 from .copy_out import copy_out
 from .graph_breaks import warn_if_partial
@@ -87,13 +87,28 @@ def run_suite(graph: fx.Graph) -> dict[str, int]:
     return changes
 
 
+def cost_profile(graph: fx.Graph) -> str:
+    """``settings.cost_profile``, or the profile for the device the graph runs on."""
+    if settings.cost_profile is not None:
+        return settings.cost_profile
+    values = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
+    on_cuda = any(isinstance(value, torch.Tensor) and value.is_cuda for value in values)
+    return "h100_nvlink" if on_cuda else "cpu_gloo"
+
+
 def run_partitioned_suite(graph: fx.Graph) -> int:
-    """Schedules one partitioned forward or backward graph (``reorder``); returns how many nodes moved."""
+    """Schedules one partitioned forward or backward graph (``reorder``); returns how many nodes moved.
+
+    With graph dumps on, writes the scheduled graph and the simulated schedule into
+    the folder of the joint graph it came from.
+    """
     moved = 0
     if settings.reorder:
         moved = schedule(graph, settings.prefetch_depth, settings.reduce_scatter_depth)
     if settings.verify:
         verify(graph)
+    if GraphDump.latest is not None:
+        GraphDump.latest.write_partitioned("backward" if is_backward(graph) else "forward", graph, cost_profile(graph))
     return moved
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ._graph import c10d, group_annotation, reorder_by_priority
+from ._graph import c10d, group_annotation, is_backward, reorder_by_priority
 from .bucket import members
 from .reshard import copy_out_chain
 
@@ -97,10 +97,6 @@ def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
     return min(position[reader] for reader in readers)
 
 
-def _is_backward(graph: fx.Graph) -> bool:
-    return any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
-
-
 def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[fx.Node, float]:
     units = _units(graph, _GATHER)
     timed = sorted((reader, index) for index, unit in enumerate(units) if (reader := _first_reader(unit, position)) is not None)
@@ -151,7 +147,7 @@ def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int
     0 waits every reduce-scatter as soon as it is issued.
     """
     position = {node: index for index, node in enumerate(graph.nodes)}
-    explicit_key = "backward_prefetch" if _is_backward(graph) else "forward_prefetch"
+    explicit_key = "backward_prefetch" if is_backward(graph) else "forward_prefetch"
     priority = _gather_priorities(graph, position, prefetch_depth, explicit_key)
     priority.update(_reduce_priorities(graph, position, reduce_scatter_depth))
     if not priority:

@@ -5,8 +5,9 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import clear_compilation_metrics, counters
 
+from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
 from compile_shard.passes import settings, verify, verify_forward
 from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
@@ -20,6 +21,7 @@ GROUPS = N_LAYERS + 1
 def fresh_dynamo():
     torch._dynamo.reset()
     counters.clear()
+    clear_compilation_metrics()
     yield
     torch._dynamo.reset()
 
@@ -53,7 +55,7 @@ def _unsharded_shapes(model, world_size):
 def test_one_forward_and_one_backward_graph_with_the_collectives(world_size, min_cut, checkpoint_blocks):
     _, capture = _compile_and_step(world_size, steps=3, min_cut=min_cut, checkpoint_blocks=checkpoint_blocks)
     assert counters["stats"]["unique_graphs"] == 1
-    assert not counters["graph_break"] and not counters["recompiles"]
+    assert not counters["graph_break"] and recompiles() == 0
     assert len(capture.forward_graphs) == 1 and len(capture.backward_graphs) == 1
     forward, backward = capture.forward_graphs[0].graph, capture.backward_graphs[0].graph
     # Default wrapping: the blocks reshard after forward, the root does not.
@@ -131,7 +133,7 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     for param, eager_param in zip(compiled_model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=param_atol)
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
-    assert not counters["graph_break"] and not counters["recompiles"]
+    assert not counters["graph_break"] and recompiles() == 0
     if backend == "scheduled" and bucket_cap_mb:
         # The blocks share one bucket; the root (no resharding) cannot join them.
         assert op_counts(capture.forward_graphs[0].graph)["all_gather"] == 2

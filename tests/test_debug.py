@@ -5,39 +5,59 @@ import torch._dynamo
 import torch.nn as nn
 
 from compile_shard import fully_shard
-from compile_shard.debug import dump_graphs, format_graph
+from compile_shard.debug import dump_graphs, format_graph, recompiles
 from dist_utils import FakeProcessGroup
-from graph_utils import trace
+from graph_utils import CapturingBackend, trace
 
 
-def _compile_small_model():
+def _compile_small_model(backend="aot_eager"):
     torch._dynamo.reset()
     with FakeProcessGroup(2):
         model = nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 2))
         fully_shard(model[0])
         fully_shard(model)
-        torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(4, 5)).sum().backward()
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randn(4, 5)).sum().backward()
     torch._dynamo.reset()
 
 
-def test_dump_graphs_writes_each_stage(tmp_path):
+def test_dump_graphs_writes_each_stage_and_the_schedule(tmp_path):
     with dump_graphs(tmp_path):
-        _compile_small_model()
-    stages = sorted(path.name for path in (tmp_path / "rank0" / "graph_000").iterdir())
-    assert stages == [
+        # A backend with the post-partition hook, as Inductor has: the schedule is dumped too.
+        _compile_small_model(CapturingBackend().backend)
+    folder = tmp_path / "rank0" / "graph_000"
+    assert sorted(path.name for path in folder.iterdir()) == [
         "00_joint.txt",
         "01_refunctionalize.txt",
         "02_bucket.txt",
         "03_reshard.txt",
         "04_save_attention.txt",
         "05_lower.txt",
-        "06_place.txt",
+        "06_copy_out.txt",
+        "07_place.txt",
+        "08_forward.txt",
+        "09_backward.txt",
+        "index.html",
+        "schedule.txt",
+        "timeline.svg",
     ]
-    folder = tmp_path / "rank0" / "graph_000"
     assert "fsdp.all_gather_into.default" in (folder / "00_joint.txt").read_text()
     lowered = (folder / "05_lower.txt").read_text()
     assert "_c10d_functional.all_gather_into_tensor.default" in lowered and "fsdp." not in lowered
     assert "MUST_RECOMPUTE" in (folder / "03_reshard.txt").read_text()
+    schedule = (folder / "schedule.txt").read_text().splitlines()
+    rows = [line.split() for line in schedule if line.startswith(("forward ", "backward "))]
+    # Forward: group 0 (the first Linear) first, then the root's prefetch. Backward needs no
+    # re-gather (the first layer's input needs no gradient) and reduces in reverse order.
+    assert [(row[0], row[2], row[3]) for row in rows] == [
+        ("forward", "all_gather", "0"),
+        ("forward", "all_gather", "Sequential"),
+        ("backward", "reduce_scatter", "Sequential"),
+        ("backward", "reduce_scatter", "0"),
+    ]
+    svg = (folder / "timeline.svg").read_text()
+    assert svg.count("<rect") > 10 and ">Sequential</text>" in svg and ">0</text>" in svg
+    page = (folder / "index.html").read_text()
+    assert "<svg" in page and 'href="08_forward.txt"' in page and "cpu_gloo" in page
 
 
 def test_dump_dir_from_environment(tmp_path, monkeypatch):
@@ -63,3 +83,14 @@ def test_format_graph_is_stable_and_readable():
         "relu: float32[2, 4] = aten.relu.default(mm)\n"
         "return relu\n"
     )
+
+
+def test_recompiles_counts_dynamo_recompilations():
+    torch._dynamo.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    double(torch.randn(2))
+    assert recompiles() == 0
+    double(torch.randn(2, 2))  # another rank: a guard fails, Dynamo compiles again
+    assert recompiles() == 1
+    torch._dynamo.reset()
