@@ -1,5 +1,6 @@
 """torch.compile(sharded_model): one forward and one backward graph, collectives inside them."""
 
+import re
 import warnings
 
 import pytest
@@ -254,3 +255,47 @@ def test_each_block_is_gathered_prefetch_depth_blocks_ahead(prefetch_depth):
     # Either way a block's wait comes only after the previous block computed.
     for earlier, later in zip(waits[1:], waits[2:]):
         assert any(earlier < m < later for m in matmuls)
+
+
+def _inductor_code(bucket_cap_mb=None):
+    from torch._inductor.utils import run_and_get_code
+
+    with FakeProcessGroup(2), pass_settings(bucket_cap_mb=bucket_cap_mb):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        compiled = torch.compile(model, fullgraph=True)
+        tokens = torch.randint(0, 1001, (2, 9))
+        _, (forward, backward) = run_and_get_code(lambda: lm_loss(compiled, tokens).backward())
+    return forward, backward
+
+
+def _calls(code: str) -> list[str]:
+    return [line.strip() for line in code.splitlines() if "(" in line and not line.strip().startswith(("def ", "#"))]
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 1000.0], ids=["per_group", "bucketed"])
+def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bucket_cap_mb):
+    forward, backward = _inductor_code(bucket_cap_mb)
+    calls = _calls(forward)
+    gathers = [line.split(" = ")[0] for line in calls if "all_gather_into_tensor.default(" in line]
+    assert len(gathers) == (2 if bucket_cap_mb else GROUPS)
+    for buffer in gathers:
+        readers = [line for line in calls if re.search(rf"\b{buffer}\b", line) and "cpp_fused" in line]
+        assert len(readers) == 1, f"the copy-out of {buffer} is spread over {len(readers)} kernels: {readers}"
+    # Prefetch survives Inductor's scheduler: a gather is issued while the previous one is still unwaited.
+    order = [("issue", line.split(" = ")[0]) if "all_gather_into_tensor.default(" in line else ("wait", line)
+             for line in calls if "all_gather_into_tensor.default(" in line or "wait_tensor.default(" in line]
+    issued_before_previous_wait = any(
+        kind == "issue" and later_kind == "issue" for (kind, _), (later_kind, _) in zip(order, order[1:])
+    )
+    assert issued_before_previous_wait, order
+    # A reduce-scatter overlaps compute: kernels run between its issue and its wait. Only
+    # the embedding's backward follows block 0's gradients, so the last two reductions
+    # (block 0's, the root's) have nothing to hide behind; with one bucket for all
+    # blocks, neither has any.
+    calls = _calls(backward)
+    issues = [index for index, line in enumerate(calls) if "reduce_scatter_tensor.default(" in line]
+    assert len(issues) == (2 if bucket_cap_mb else GROUPS)
+    for index in [] if bucket_cap_mb else issues[:-2]:
+        buffer = calls[index].split(" = ")[0]
+        wait = next(i for i, later in enumerate(calls) if f"wait_tensor.default({buffer})" in later)
+        assert any("extern_kernels" in between or "cpp_fused" in between for between in calls[index + 1 : wait])
