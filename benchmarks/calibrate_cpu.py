@@ -169,6 +169,8 @@ def calibrate() -> tuple[HardwareProfile, dict]:
             f"{os.cpu_count()}-core {_cpu_model()}, {WORLD_SIZE} gloo ranks on 127.0.0.1 with 1 thread each; "
             f"measured by benchmarks/calibrate_cpu.py on {today} (torch {torch.__version__})"
         ),
+        # Every core runs a rank's compute: gloo's transfers compete for the same cores.
+        overlaps_communication=False,
     )
     raw = {
         "measured_on": today,

@@ -16,6 +16,7 @@ import contextlib
 import os
 import resource
 import socket
+import statistics
 import time
 
 import torch
@@ -24,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from . import fully_shard
+from . import fully_shard, passes
 from .debug import CollectiveCounter, recompiles
 from .models import Llama, LlamaConfig
 
@@ -39,6 +40,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument(
         "--backend", default="inductor", help="torch.compile backend for the compiled run; '' skips it"
+    )
+    parser.add_argument(
+        "--cost-profile",
+        help="hardware profile of the simulated schedule in graph dumps (COMPILE_SHARD_DUMP_DIR), e.g. h100_nvlink; "
+        "default: this machine (cpu_gloo)",
     )
     return parser.parse_args(argv)
 
@@ -63,8 +69,8 @@ def _batches(args: argparse.Namespace, config: LlamaConfig, world_size: int) -> 
     return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(args.steps)]
 
 
-def _run_sharded(model, batches, args, count_collectives: bool) -> list[tuple[float, float, dict]]:
-    """Per step: global loss, step time of the slowest rank, collectives issued.
+def _run_sharded(model, batches, args, count_collectives: bool) -> list[tuple[float, float, dict, float]]:
+    """Per step: global loss, step time of the slowest rank, collectives issued, forward+backward time.
 
     Collectives are counted with a dispatch mode, in eager mode only: torch.compile
     does not compile under an active dispatch mode.
@@ -80,14 +86,25 @@ def _run_sharded(model, batches, args, count_collectives: bool) -> list[tuple[fl
         with counter if count_collectives else contextlib.nullcontext():
             loss = _lm_loss(model, local)
             loss.backward()
+            forward_backward = time.perf_counter() - start
             optimizer.step()
             optimizer.zero_grad()
-        elapsed = torch.tensor(time.perf_counter() - start)
+        elapsed = torch.tensor([time.perf_counter() - start, forward_backward])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         loss = loss.detach()
         dist.all_reduce(loss)
-        rows.append((loss.item() / world_size, elapsed.item(), dict(counter.counts)))
+        rows.append((loss.item() / world_size, elapsed[0].item(), dict(counter.counts), elapsed[1].item()))
     return rows
+
+
+def _predicted_forward_backward(model, tokens: torch.Tensor) -> float:
+    """The cost model's forward+backward time for the compiled graphs on this machine (``cpu_gloo``)."""
+    from .dry_run import capture_step
+    from .passes.cost_model import get_profile
+    from .passes.simulate import simulate_step
+
+    graphs = capture_step(model, lambda compiled: _lm_loss(compiled, tokens))
+    return simulate_step([graph_module.graph for graph_module in graphs], get_profile("cpu_gloo")).step_seconds
 
 
 def _run_reference(model, batches) -> list[float]:
@@ -104,14 +121,23 @@ def _run_reference(model, batches) -> list[float]:
 
 def _train(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    passes.settings.cost_profile = args.cost_profile
     config = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=4, ffn_hidden=args.dim * 3, max_seq_len=args.seq)
     batches = _batches(args, config, world_size)
     torch.manual_seed(0)
     reference_losses = _run_reference(Llama(config), batches) if rank == 0 else None
     eager = _run_sharded(_build(config), batches, args, count_collectives=True)
-    compiled = None
+    compiled = predicted = None
     if args.backend:
-        compiled = _run_sharded(torch.compile(_build(config), backend=args.backend), batches, args, False)
+        compiled_model = _build(config)
+        compiled = _run_sharded(torch.compile(compiled_model, backend=args.backend), batches, args, False)
+        compile_summary = (
+            f"compiled ({args.backend}): {counters['stats']['unique_graphs']} graph(s), "
+            f"{sum(counters['graph_break'].values())} graph break(s), {recompiles()} recompile(s); "
+            "step 1 includes compilation"
+        )
+        if rank == 0:  # after training and counting: the dry run compiles again, leaving garbage gradients
+            predicted = _predicted_forward_backward(compiled_model, batches[0][: args.batch_per_rank])
 
     peak_rss_mb = [None] * world_size
     dist.all_gather_object(peak_rss_mb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -127,7 +153,7 @@ def _train(args: argparse.Namespace) -> None:
         header += f"  {'compiled':>10}  {'compiled time':>13}"
     print(header + f"  {'all-gathers':>11}  {'reduce-scatters':>15}")
     for step, reference_loss in enumerate(reference_losses):
-        loss, elapsed, counts = eager[step]
+        loss, elapsed, counts, _ = eager[step]
         line = f"{step + 1:>4}  {reference_loss:>10.6f}  {loss:>10.6f}  {elapsed * 1e3:>7.1f} ms"
         if compiled:
             line += f"  {compiled[step][0]:>10.6f}  {compiled[step][1] * 1e3:>10.1f} ms"
@@ -135,10 +161,11 @@ def _train(args: argparse.Namespace) -> None:
     worst = max(abs(row[0] - ref) for rows in (eager, compiled or []) for row, ref in zip(rows, reference_losses))
     print(f"max |loss - reference|: {worst:.1e}  (collectives counted in eager mode)")
     if compiled:
-        stats = counters["stats"]
+        print(compile_summary)
+        measured = statistics.median(row[3] for row in compiled[1:]) if len(compiled) > 1 else compiled[0][3]
         print(
-            f"compiled ({args.backend}): {stats['unique_graphs']} graph(s), {sum(counters['graph_break'].values())} "
-            f"graph break(s), {recompiles()} recompile(s); step 1 includes compilation"
+            f"forward+backward of a compiled step: cost model (cpu_gloo profile) {predicted * 1e3:.1f} ms, "
+            f"measured {measured * 1e3:.1f} ms (median after step 1; ratio {predicted / measured:.2f})"
         )
     print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(peak_rss_mb)))
 

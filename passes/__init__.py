@@ -34,7 +34,7 @@ from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
-from .reorder import schedule
+from .reorder import schedule, schedule_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import PassSettings, settings
@@ -57,6 +57,7 @@ __all__ = [
     "run_suite",
     "save_attention",
     "schedule",
+    "schedule_within_budget",
     "settings",
     "verify",
     "verify_forward",

@@ -58,6 +58,9 @@ class HardwareProfile:
     #: Latency of one ring step.
     link_latency_s: float
     description: str
+    #: False where collectives need the cores compute runs on (gloo with every core
+    #: busy computing): nothing overlaps, every collective is exposed in full.
+    overlaps_communication: bool = True
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         return self.flops_per_s.get(dtype, min(self.flops_per_s.values()))
@@ -72,6 +75,7 @@ class HardwareProfile:
             "link_bytes_per_s": self.link_bytes_per_s,
             "link_latency_s": self.link_latency_s,
             "description": self.description,
+            "overlaps_communication": self.overlaps_communication,
         }
 
     @classmethod
@@ -85,6 +89,7 @@ class HardwareProfile:
             link_bytes_per_s=float(data["link_bytes_per_s"]),
             link_latency_s=float(data["link_latency_s"]),
             description=data["description"],
+            overlaps_communication=bool(data.get("overlaps_communication", True)),
         )
 
 

@@ -37,10 +37,12 @@ from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
-from .reorder import schedule
+from .cost_model import get_profile
+from .reorder import schedule, schedule_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import settings
+from .simulate import simulate
 from .verify import verify
 
 # Every pass module: a change to any of them must miss Inductor's caches.
@@ -103,8 +105,17 @@ def run_partitioned_suite(graph: fx.Graph) -> int:
     the folder of the joint graph it came from.
     """
     moved = 0
-    if settings.reorder:
+    if settings.reorder and settings.memory_budget_mb is None:
         moved = schedule(graph, settings.prefetch_depth, settings.reduce_scatter_depth)
+    elif settings.reorder:
+        profile = get_profile(cost_profile(graph))
+        moved = schedule_within_budget(
+            graph,
+            settings.prefetch_depth,
+            settings.reduce_scatter_depth,
+            settings.memory_budget_mb * 2**20,
+            lambda scheduled: simulate(scheduled, profile).peak_memory_bytes,
+        )
     if settings.verify:
         verify(graph)
     if GraphDump.latest is not None:

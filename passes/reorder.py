@@ -28,6 +28,8 @@ the depth is lowered until the simulated peak of the graph fits.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -153,3 +155,30 @@ def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int
     if not priority:
         return 0
     return reorder_by_priority(graph, priority)
+
+
+def schedule_within_budget(
+    graph: fx.Graph,
+    prefetch_depth: int,
+    reduce_scatter_depth: int,
+    memory_budget_bytes: float,
+    peak_memory: Callable[[fx.Graph], int],
+) -> int:
+    """``schedule``, lowering the prefetch depth until ``peak_memory(graph)`` fits the budget.
+
+    Warns when even gathering right before use (depth 0) does not fit: the budget is
+    then below what the graph needs without any prefetch, which no schedule fixes.
+    """
+    moved = schedule(graph, prefetch_depth, reduce_scatter_depth)
+    while (peak := peak_memory(graph)) > memory_budget_bytes and prefetch_depth > 0:
+        prefetch_depth -= 1
+        moved += schedule(graph, prefetch_depth, reduce_scatter_depth)
+    if peak > memory_budget_bytes:
+        kind = "backward" if is_backward(graph) else "forward"
+        warnings.warn(
+            f"compile_shard: the {kind} graph needs {peak / 2**20:.1f} MiB at its simulated peak even without "
+            f"prefetch, over settings.memory_budget_mb = {memory_budget_bytes / 2**20:.1f}; raise the budget or "
+            "shard into more groups",
+            stacklevel=2,
+        )
+    return moved

@@ -17,6 +17,8 @@ Time
   no wait reads is waited at the output node.
 - ``fsdp.all_gather_into`` / ``fsdp.reduce_scatter_grad`` (a joint graph before
   ``lower``) wait inside the op: issued and waited at the same node, fully exposed.
+  So does every collective on a profile whose communication cannot overlap compute
+  (``HardwareProfile.overlaps_communication``: gloo on a CPU whose cores all compute).
 - ``step_seconds = compute_seconds + exposed_communication_seconds``.
 
 Memory
@@ -235,7 +237,7 @@ def _replay(
             records.append(record)
             intervals.append(Interval(node.name, "communication", begin, lane_free, group, graph_index))
             memory.allocate(node, now)
-            if info.synchronous:
+            if info.synchronous or not profile.overlaps_communication:
                 wait(record, node)
             else:
                 in_flight[node] = record

@@ -247,6 +247,19 @@ def test_a_collective_issued_before_long_enough_compute_is_hidden():
     assert lanes == {("all_gather_into_tensor", "communication"), ("mm", "compute")}
 
 
+def test_nothing_overlaps_on_a_profile_whose_communication_needs_the_compute_cores():
+    def hidden(x, w):
+        gathered = _gather(x)
+        return torch.mm(w, w), c10d.wait_tensor(gathered)
+
+    busy_cores = dataclasses.replace(PROFILE, overlaps_communication=False)
+    simulation = simulate(trace(hidden, torch.randn(1024), torch.randn(256, 256)).graph, busy_cores)
+    (record,) = simulation.collectives
+    assert record.exposed_seconds == pytest.approx(GATHER_1K_WS2)
+    assert simulation.step_seconds == pytest.approx(MM_256 + GATHER_1K_WS2)
+    assert not get_profile("cpu_gloo").overlaps_communication and get_profile("h100_ib400").overlaps_communication
+
+
 def test_the_communication_lane_is_fifo():
     def back_to_back(x, y, z):
         first, second = _gather(x), _gather(y)

@@ -222,6 +222,30 @@ def test_schedule_with_depth_two_issues_two_groups_ahead_and_depth_zero_none():
     assert all(wait < gather for wait, gather in zip(waits, gathers[1:]))
 
 
+def test_memory_budget_lowers_the_prefetch_depth_until_the_peak_fits():
+    from compile_shard.passes import schedule_within_budget
+    from compile_shard.passes.cost_model import get_profile
+    from compile_shard.passes.simulate import simulate
+
+    def peak(graph):
+        return simulate(graph, get_profile("h100_nvlink")).peak_memory_bytes
+
+    unbounded, bounded = _lowered(), _lowered()
+    schedule(unbounded.graph, prefetch_depth=2)
+    no_prefetch = _lowered()
+    schedule(no_prefetch.graph, prefetch_depth=0)
+    assert peak(no_prefetch.graph) < peak(unbounded.graph)
+    # A budget between the two: the depth drops until it fits, without a warning.
+    budget = (peak(no_prefetch.graph) + peak(unbounded.graph)) / 2
+    schedule_within_budget(bounded.graph, 2, 1, budget, peak)
+    assert peak(bounded.graph) <= budget
+    # Below what the graph needs without prefetch: depth 0, and a warning that says so.
+    starved = _lowered()
+    with pytest.warns(UserWarning, match=r"even without prefetch, over settings.memory_budget_mb"):
+        schedule_within_budget(starved.graph, 2, 1, 1.0, peak)
+    assert _issue_and_wait_positions(starved.graph) == _issue_and_wait_positions(no_prefetch.graph)
+
+
 def test_schedule_honours_explicit_forward_prefetch():
     graph_module = _lowered(forward_prefetch={"a": ["c"]})
     schedule(graph_module.graph, prefetch_depth=0)

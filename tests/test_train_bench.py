@@ -1,0 +1,139 @@
+"""benchmarks/train_bench.py on its smoke configuration: the JSON report's schema, losses, collectives and ratios.
+
+Two runs of the script, shared by the tests: five modes on 2 gloo processes, and two
+modes on rank 0 of a fake process group of 8. Compiled modes use ``aot_eager`` so
+that no Inductor compilation makes the file slow.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "train_bench.py"
+GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference"]
+FAKE_MODES = ["cs_compiled", "fsdp2_eager"]
+TIME_FIELDS = {"cold_step_s", "median_step_s", "min_step_s"}
+RATIO_FIELDS = TIME_FIELDS | {"peak_memory_mb", "step_peak_memory_mb"}
+MODE_FIELDS = {
+    "processes",
+    "cold_step_s",
+    "median_step_s",
+    "min_step_s",
+    "step_times_s",
+    "peak_memory_mb",
+    "step_peak_memory_mb",
+    "param_memory_mb",
+    "memory_method",
+    "mallopt_applied",
+    "collectives",
+    "collectives_equal_on_all_ranks",
+    "collectives_method",
+    "graph_collectives",
+    "compile",
+    "losses",
+    "simulation",
+    "simulated_comm_s",
+    "projected_step_s",
+    "overlap_settings_off",
+    "max_loss_diff",
+    "ratios",
+}
+SMOKE_STEPS, SMOKE_WARMUP = 3, 1
+
+
+def _run(tmp_path_factory, name: str, *args: str) -> dict:
+    path = tmp_path_factory.mktemp(name) / "report.json"
+    command = [sys.executable, str(SCRIPT), "--config", "smoke", "--backend", "aot_eager", "--json", str(path), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "max |dloss|" in result.stdout  # the table was printed
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def gloo_report(tmp_path_factory):
+    return _run(tmp_path_factory, "gloo", "--modes", ",".join(GLOO_MODES))
+
+
+@pytest.fixture(scope="module")
+def fake_report(tmp_path_factory):
+    return _run(tmp_path_factory, "fake", "--device", "cpu", "--fake-world-size", "8", "--modes", ",".join(FAKE_MODES))
+
+
+def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
+    assert report["schema_version"] == 1
+    assert report["world_size"] == report["config"]["world_size"] == world_size
+    assert report["config"]["vocab_size"] == 1001
+    assert (report["config"]["steps"], report["config"]["warmup"]) == (SMOKE_STEPS, SMOKE_WARMUP)
+    assert list(report["modes"]) == modes
+    baseline = report["modes"]["fsdp2_eager"]
+    for name, result in report["modes"].items():
+        assert set(result) == MODE_FIELDS, name
+        assert len(result["step_times_s"]) == SMOKE_STEPS
+        assert 0 < result["min_step_s"] <= result["median_step_s"] and result["cold_step_s"] > 0
+        assert len(result["losses"]) == 1 + SMOKE_WARMUP + SMOKE_STEPS + 1  # cold, warm-up, timed, counting step
+        assert len(result["peak_memory_mb"]) == len(result["param_memory_mb"]) == result["processes"]
+        assert all(isinstance(mb, float) for mb in result["peak_memory_mb"] + result["step_peak_memory_mb"]), name
+        assert set(result["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert result["collectives_equal_on_all_ranks"]
+        assert set(result["ratios"]) == RATIO_FIELDS
+        for field in TIME_FIELDS:
+            assert result["ratios"][field] == pytest.approx(result[field] / baseline[field]), (name, field)
+        for field in RATIO_FIELDS - TIME_FIELDS:  # None when fsdp2_eager's figure is 0 (nothing new became resident)
+            base = max(baseline[field])
+            expected = max(result[field]) / base if base else None
+            assert result["ratios"][field] == pytest.approx(expected), (name, field)
+
+
+def test_gloo_report_schema_and_ratios(gloo_report):
+    _check_schema(gloo_report, GLOO_MODES, world_size=2)
+    assert gloo_report["process_group"] == "gloo"
+    processes = {name: result["processes"] for name, result in gloo_report["modes"].items()}
+    assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1}
+
+
+def test_gloo_losses_match_the_reference(gloo_report):
+    modes = gloo_report["modes"]
+    assert modes["reference"]["max_loss_diff"] == 0.0
+    for name, result in modes.items():
+        assert result["max_loss_diff"] <= 1e-5, (name, result["max_loss_diff"])
+
+
+def test_gloo_collectives_per_step(gloo_report):
+    modes = gloo_report["modes"]
+    assert modes["cs_eager"]["collectives"] == modes["fsdp2_eager"]["collectives"]
+    # 2 blocks and the root gather in forward, the blocks again in backward; one reduce-scatter per group.
+    assert modes["fsdp2_eager"]["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
+    compiled = modes["cs_compiled"]
+    assert compiled["collectives"] == compiled["graph_collectives"]
+    assert compiled["collectives"]["all_gather"] >= 1 and compiled["collectives"]["reduce_scatter"] >= 1
+    assert modes["ddp"]["collectives"]["all_reduce"] >= 1
+    assert modes["ddp"]["collectives"]["all_gather"] == modes["ddp"]["collectives"]["reduce_scatter"] == 0
+    assert modes["reference"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+
+def test_gloo_compiled_mode_is_one_graph(gloo_report):
+    stats = gloo_report["modes"]["cs_compiled"]["compile"]
+    assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
+    assert stats["backend_graphs"] == 2  # forward and backward
+    assert gloo_report["modes"]["cs_eager"]["compile"] is None
+
+
+def test_fake_process_group_report(fake_report):
+    _check_schema(fake_report, FAKE_MODES, world_size=8)
+    assert fake_report["process_group"] == "fake"
+    compiled, eager = fake_report["modes"]["cs_compiled"], fake_report["modes"]["fsdp2_eager"]
+    assert compiled["processes"] == eager["processes"] == 1
+    assert compiled["max_loss_diff"] is None and eager["max_loss_diff"] is None
+    assert eager["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
+    simulation = compiled["simulation"]
+    assert simulation["profile"] == fake_report["cost_profile"] == "h100_nvlink"
+    assert simulation["communication_s"] > 0
+    assert 0 <= simulation["exposed_communication_s"] <= simulation["communication_s"] * (1 + 1e-9)
+    assert compiled["simulated_comm_s"] == simulation["exposed_communication_s"]
+    assert compiled["projected_step_s"] == pytest.approx(compiled["median_step_s"] + compiled["simulated_comm_s"])
+    assert eager["simulation"] is None and eager["projected_step_s"] is None
