@@ -80,9 +80,14 @@ def _first_gather_position(graph):
     return gathers, first_compute
 
 
-def test_switching_off_place_keeps_every_gather_at_the_start():
-    with pass_settings(place=False):
+def test_switching_off_place_and_reorder_keeps_every_gather_at_the_start():
+    with pass_settings(place=False, reorder=False):
         gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
     assert all(g < first_compute for g in gathers)
+    # place alone: the second layer's gather waits for the first layer's compute.
+    with pass_settings(reorder=False):
+        gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
+    assert gathers[0] < first_compute < gathers[1]
+    # reorder (the default) prefetches it: issued before the first layer computes.
     gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
-    assert gathers[0] < first_compute < gathers[1]  # the second layer's gather waits for the first layer
+    assert gathers[1] < first_compute

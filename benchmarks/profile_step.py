@@ -1,0 +1,99 @@
+"""Where a training step's time goes: torch.profiler over a few steps of one benchmark mode.
+
+    python benchmarks/profile_step.py --mode cs_compiled      # config B, 2 gloo ranks
+    python benchmarks/profile_step.py --mode fsdp2_eager
+
+Builds config B's model (``train_bench.CONFIGS``), shards it like ``train_bench.py``
+does for the mode, runs two warm-up steps (compilation included) and profiles three
+steps on every rank. Rank 0 prints the operators with the most self CPU time and the
+share of the profiled time spent in collectives (waits included), computing, and in
+the optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.profiler import ProfilerActivity, profile
+
+from compile_shard import fully_shard
+from compile_shard.models import Llama
+from train_bench import CONFIGS
+
+COMMUNICATION = ("c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "all_reduce")
+
+
+def _build(mode: str, config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = Llama(config)
+    shard = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
+    for block in model.layers:
+        shard(block)
+    shard(model)
+    return torch.compile(model) if mode == "cs_compiled" else model
+
+
+def _step(model, optimizer, tokens) -> None:
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _worker(rank: int, world_size: int, port: int, mode: str, top: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        bench = CONFIGS["B"]
+        config = bench.llama()
+        model = _build(mode, config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(rank)
+        tokens = torch.randint(0, config.vocab_size, (bench.batch_per_rank, bench.seq + 1), generator=generator)
+        for _ in range(2):
+            _step(model, optimizer, tokens)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for _ in range(3):
+                _step(model, optimizer, tokens)
+        dist.barrier()
+        if rank == 0:
+            _report(profiler, mode, top)
+    finally:
+        dist.destroy_process_group()
+
+
+def _report(profiler, mode: str, top: int) -> None:
+    events = profiler.key_averages()
+    total = sum(event.self_cpu_time_total for event in events)
+    communication = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMMUNICATION))
+    optimizer = sum(e.self_cpu_time_total for e in events if "optimizer" in e.key.lower() or "_foreach" in e.key)
+    print(f"{mode}: 3 profiled steps, {total / 3e3:.0f} ms of self CPU time per step on rank 0")
+    print(f"  collectives (incl. waits): {100 * communication / total:5.1f}%")
+    print(f"  optimizer (foreach ops):   {100 * optimizer / total:5.1f}%")
+    print(f"  everything else (compute): {100 * (total - communication - optimizer) / total:5.1f}%")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("cs_compiled", "cs_eager", "fsdp2_eager"), default="cs_compiled")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(args.world_size, port, args.mode, args.top), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()
