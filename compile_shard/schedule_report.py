@@ -65,7 +65,8 @@ def timeline_svg(simulation: Simulation, width: int = 1400) -> str:
         return left + seconds * scale
 
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="monospace" font-size="11">',
         f'<text x="{left}" y="16">step {simulation.step_seconds * 1e3:.3f} ms, exposed communication '
         f"{simulation.exposed_communication_seconds * 1e3:.3f} ms of {simulation.communication_seconds * 1e3:.3f} ms"
         "</text>",
@@ -78,9 +79,9 @@ def timeline_svg(simulation: Simulation, width: int = 1400) -> str:
         color = colors.get(interval.group, _UNGROUPED)
         title = html.escape(f"{GRAPH_NAMES[interval.graph] if interval.graph < 2 else interval.graph}: {interval.node}"
                             f" ({interval.group or 'no group'}) {interval.start * 1e3:.3f}-{interval.end * 1e3:.3f} ms")
-        y = lanes[interval.lane]
+        y, box_width = lanes[interval.lane], max((interval.end - interval.start) * scale, 0.5)
         parts.append(
-            f'<rect x="{x(interval.start):.2f}" y="{y}" width="{max((interval.end - interval.start) * scale, 0.5):.2f}" '
+            f'<rect x="{x(interval.start):.2f}" y="{y}" width="{box_width:.2f}" '
             f'height="{lane_height}" fill="{color}" stroke="white" stroke-width="0.3"><title>{title}</title></rect>'
         )
     for record in simulation.collectives:

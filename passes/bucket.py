@@ -81,7 +81,8 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
     ]
     per_group = Counter(group_annotation(node)["group"] for node in gathers)
     ordered = sorted(
-        (reader, node) for node in gathers if (reader := _first_reader(node, position)) is not None
+        ((reader, node) for node in gathers if (reader := _first_reader(node, position)) is not None),
+        key=lambda reader_and_node: reader_and_node[0],
     )
     runs, current = [], []
     for _, node in ordered:

@@ -101,7 +101,9 @@ def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
 
 def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[fx.Node, float]:
     units = _units(graph, _GATHER)
-    timed = sorted((reader, index) for index, unit in enumerate(units) if (reader := _first_reader(unit, position)) is not None)
+    timed = sorted(
+        (reader, index) for index, unit in enumerate(units) if (reader := _first_reader(unit, position)) is not None
+    )
     ordered = [units[index] for _, index in timed]
     wait_at = {id(unit): reader - 0.5 for (reader, _), unit in zip(timed, ordered)}
     issue_at = {}

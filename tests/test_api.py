@@ -102,7 +102,8 @@ def test_forward_prefetch_gathers_the_listed_blocks_when_the_first_starts(fake_p
     unsharded_while_block0_runs = {}
 
     def record(module, args):
-        unsharded_while_block0_runs.update({i: block._fsdp_state().group.unsharded is not None for i, block in enumerate(model.layers)})
+        for index, block in enumerate(model.layers):
+            unsharded_while_block0_runs[index] = block._fsdp_state().group.unsharded is not None
 
     model.layers[0].attention_norm.register_forward_pre_hook(record)
     with CollectiveCounter() as counter:
@@ -134,5 +135,5 @@ def test_backward_prefetch_refills_the_listed_block_when_the_first_starts_backwa
 
 def test_prefetch_knobs_reject_modules_that_are_not_sharded(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=2))
-    with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: Linear is not a module with parameters sharded"):
+    with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: Linear is not a module with parameters"):
         model.layers[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])

@@ -114,7 +114,8 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     # "scheduled": aot_eager's min-cut partitioner, then the partitioned suite (reorder),
     # as Inductor's post-grad hook runs it; aot_eager itself has no such hook.
     capture = CapturingBackend(min_cut=True)
-    compiled = torch.compile(compiled_model, backend=capture.backend if backend == "scheduled" else backend, fullgraph=True)
+    compiled_backend = capture.backend if backend == "scheduled" else backend
+    compiled = torch.compile(compiled_model, backend=compiled_backend, fullgraph=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (compiled_model, eager_model)]
     # Inductor fuses and reorders fp32 arithmetic; AdamW turns last-bit differences of
     # near-zero gradients into ~1e-6 parameter differences (see tests/test_parity.py).

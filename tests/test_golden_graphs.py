@@ -82,7 +82,8 @@ def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_ca
     # The numbered stages end with the scheduled forward and backward graphs; the
     # simulated schedule (timings) is not part of the golden files.
     sections = [(path.stem, path.read_text()) for path in sorted(graph_dir.glob("[0-9][0-9]_*.txt"))]
-    assert [title for title, _ in sections[-2:]] == [f"{len(sections) - 2:02d}_forward", f"{len(sections) - 1:02d}_backward"]
+    expected_titles = [f"{len(sections) - 2:02d}_forward", f"{len(sections) - 1:02d}_backward"]
+    assert [title for title, _ in sections[-2:]] == expected_titles
     return "".join(f"===== {title}\n{text}" for title, text in sections)
 
 

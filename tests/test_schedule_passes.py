@@ -69,7 +69,8 @@ def _is(target):
 def test_reorder_by_priority_runs_urgent_work_first_but_never_before_its_inputs():
     graph_module = trace(lambda x, y: (x.sin(), y.cos().exp()), torch.randn(2), torch.randn(2))
     graph = graph_module.graph
-    sin, cos, exp = (next(n for n in graph.nodes if n.target is t) for t in (aten.sin.default, aten.cos.default, aten.exp.default))
+    assert [n.name for n in graph.nodes if n.op == "call_function"] == ["sin", "cos", "exp"]
+    exp = next(n for n in graph.nodes if n.target is aten.exp.default)
     assert reorder_by_priority(graph, {exp: -1.0}) > 0
     names = [n.name for n in graph.nodes]
     # exp is urgent, so its input cos inherits the urgency; both run before sin.
@@ -167,7 +168,8 @@ def test_bucket_leaves_groups_whose_gradients_it_cannot_merge():
 
 def _bucketed_graph_computes_the_same(rank, world_size):
     inputs = [torch.full((3, 4), float(rank + 1)), torch.full((3, 4), 10.0 * (rank + 1))]
-    inputs += [torch.arange(24.0).view(6, 4), torch.arange(24.0).view(6, 4) * -1, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
+    gradient = torch.arange(24.0).view(6, 4)
+    inputs += [gradient, -gradient, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
     expected = _gather_and_reduce(*inputs)
     graph_module = trace(_gather_and_reduce, *inputs)
     _annotate(graph_module.graph, ["a", "b"])
@@ -323,7 +325,8 @@ def test_keep_fx_order_restores_the_fx_order_within_dependencies():
     gather = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default)
     mm = next(n for n in nodes if n.target is aten.mm.default)
     late_gather = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default][1]
-    first, second, third = _SchedulerNode("g0", [gather]), _SchedulerNode("mm", [mm], ["g0"]), _SchedulerNode("g1", [late_gather])
+    first, second = _SchedulerNode("g0", [gather]), _SchedulerNode("mm", [mm], ["g0"])
+    third = _SchedulerNode("g1", [late_gather])
     # Inductor put the prefetch (g1) after the matmul; the FX schedule has it before.
     assert [s.name for s in keep_fx_order([first, second, third])] == ["g0", "g1", "mm"]
     # A dependency wins over the FX order.
