@@ -23,7 +23,6 @@ all-gather and the last reduce-scatter, which nothing can hide) and peak memory.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from dataclasses import asdict, dataclass
 
@@ -35,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from compile_shard import fully_shard
 from compile_shard.dry_run import capture_step
 from compile_shard.models import Llama, LlamaConfig
-from compile_shard.passes import settings
+from compile_shard.passes import overridden
 from compile_shard.passes.cost_model import get_profile
 from compile_shard.passes.simulate import simulate_step
 
@@ -56,18 +55,6 @@ class ScheduleReport:
     exposed_beyond_first_and_last_ms: float
     exposed_beyond_first_and_last_pct: float
     peak_memory_bytes: int
-
-
-@contextlib.contextmanager
-def _settings(**overrides):
-    saved = {name: getattr(settings, name) for name in overrides}
-    for name, value in overrides.items():
-        setattr(settings, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(settings, name, value)
 
 
 def group_unsharded_bytes(config: LlamaConfig) -> int:
@@ -96,7 +83,7 @@ def simulate_schedules(
 
         reports = []
         for name in schedules:
-            with _settings(**SCHEDULES[name]):
+            with overridden(**SCHEDULES[name]):
                 graphs = [graph_module.graph for graph_module in capture_step(model, loss_fn)]
             simulation = simulate_step(graphs, profile)
             beyond = simulation.exposed_beyond_first_and_last()

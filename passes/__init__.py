@@ -37,7 +37,7 @@ from .refunctionalize import refunctionalize
 from .reorder import schedule, schedule_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
-from .settings import PassSettings, settings
+from .settings import PassSettings, overridden, settings
 from .verify import GraphInvariantError, verify, verify_forward
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "install",
     "keep_fx_order",
     "lower",
+    "overridden",
     "place",
     "refunctionalize",
     "reshard",

@@ -139,38 +139,43 @@ class _JointPass:
         return graph_module
 
 
-class _InductorJointPrePass(CustomGraphPass):
-    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings."""
+class _ChainedInductorPass(CustomGraphPass):
+    """An Inductor hook that runs ``run`` on sharded graphs, then the previously installed pass.
 
-    def __init__(self, previous):
-        self.previous = previous
-
-    def __call__(self, graph: fx.Graph) -> None:
-        if settings.verify and has_sharded_params(graph):
-            verify(graph)
-        if self.previous is not None:
-            self.previous(graph)
-
-    def uuid(self):
-        previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
-        return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
-
-
-class _PostGradPass(CustomGraphPass):
-    """Inductor's post-grad hook: schedules each partitioned graph, then the previously installed pass."""
+    Its ``uuid`` keys Inductor's caches on the pass sources and the settings, and on
+    the previous pass's own key.
+    """
 
     def __init__(self, previous):
         self.previous = previous
 
     def __call__(self, graph: fx.Graph) -> None:
         if has_sharded_params(graph):
-            run_partitioned_suite(graph)
+            self.run(graph)
         if self.previous is not None:
             self.previous(graph)
+
+    def run(self, graph: fx.Graph) -> None:
+        raise NotImplementedError
 
     def uuid(self):
         previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
         return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
+
+
+class _InductorJointPrePass(_ChainedInductorPass):
+    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings."""
+
+    def run(self, graph: fx.Graph) -> None:
+        if settings.verify:
+            verify(graph)
+
+
+class _PostGradPass(_ChainedInductorPass):
+    """Inductor's post-grad hook: schedules each partitioned forward and backward graph."""
+
+    def run(self, graph: fx.Graph) -> None:
+        run_partitioned_suite(graph)
 
 
 def install() -> None:

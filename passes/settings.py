@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+from collections.abc import Iterator
 
 
 @dataclasses.dataclass
@@ -51,3 +53,16 @@ class PassSettings:
 
 
 settings = PassSettings()
+
+
+@contextlib.contextmanager
+def overridden(**overrides) -> Iterator[PassSettings]:
+    """Sets fields of ``settings`` inside the block and restores them after, e.g. ``overridden(reorder=False)``."""
+    saved = {name: getattr(settings, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(settings, name, value)
+    try:
+        yield settings
+    finally:
+        for name, value in saved.items():
+            setattr(settings, name, value)

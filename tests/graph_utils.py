@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 import torch.fx as fx
@@ -13,7 +12,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_shard._group import GROUP_ANNOTATION
-from compile_shard.passes import has_sharded_params, run_partitioned_suite, settings
+from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -76,13 +75,5 @@ class CapturingBackend:
         )
 
 
-@contextmanager
-def pass_settings(**overrides):
-    saved = {name: getattr(settings, name) for name in overrides}
-    for name, value in overrides.items():
-        setattr(settings, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(settings, name, value)
+# The tests' name for compile_shard.passes.overridden: settings for one block.
+pass_settings = overridden
