@@ -21,6 +21,10 @@ _UNGROUPED = "#c8c8c8"
 _EXPOSED = "#d62728"
 
 
+def _graph_name(index: int) -> str:
+    return GRAPH_NAMES[index] if index < len(GRAPH_NAMES) else str(index)
+
+
 def schedule_table(simulation: Simulation) -> str:
     """One line per collective: where it is issued and waited, what it overlaps, what stays exposed."""
     header = (
@@ -31,7 +35,7 @@ def schedule_table(simulation: Simulation) -> str:
     for record in simulation.collectives:
         overlaps = ", ".join(record.overlapped_compute) or "-"
         lines.append(
-            f"{GRAPH_NAMES[record.graph] if record.graph < 2 else record.graph:<9} {record.name:<34} "
+            f"{_graph_name(record.graph):<9} {record.name:<34} "
             f"{record.kind:<15} {record.group or '-':<22} {record.bytes / 2**20:8.3f} "
             f"{record.issued_after or '(start)':<28} {record.waited_at or '(output)':<28} "
             f"{record.start * 1e3:9.3f} {record.end * 1e3:9.3f} {record.exposed_seconds * 1e3:10.3f}  {overlaps}"
@@ -77,7 +81,7 @@ def timeline_svg(simulation: Simulation, width: int = 1400) -> str:
         if interval.end <= interval.start:
             continue
         color = colors.get(interval.group, _UNGROUPED)
-        title = html.escape(f"{GRAPH_NAMES[interval.graph] if interval.graph < 2 else interval.graph}: {interval.node}"
+        title = html.escape(f"{_graph_name(interval.graph)}: {interval.node}"
                             f" ({interval.group or 'no group'}) {interval.start * 1e3:.3f}-{interval.end * 1e3:.3f} ms")
         y, box_width = lanes[interval.lane], max((interval.end - interval.start) * scale, 0.5)
         parts.append(

@@ -32,7 +32,7 @@ import torch.fx as fx
 from compile_shard._group import GROUP_ANNOTATION
 
 from ._graph import NodeInserter, fake_value, fsdp, group_annotation, reorder_by_priority
-from .reshard import copy_out_chain
+from .reshard import chain_readers, copy_out_chain
 
 aten = torch.ops.aten
 _SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
@@ -57,8 +57,7 @@ def _copy_out_split(all_gather: fx.Node) -> fx.Node | None:
 
 
 def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
-    chain = set(copy_out_chain(all_gather))
-    readers = [user for node in chain for user in node.users if user not in chain]
+    readers = chain_readers(copy_out_chain(all_gather))
     if not readers or any(reader.op == "output" for reader in readers):
         return None
     return min(position[reader] for reader in readers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ._graph import c10d, fsdp, group_annotation
-from .reshard import copy_out_chain
+from .reshard import chain_readers, copy_out_chain
 
 _GATHERS = (fsdp.all_gather_into.default, c10d.wait_tensor.default)
 
@@ -46,7 +46,7 @@ def place(graph: fx.Graph) -> int:
     moved = 0
     for gathered in gathered_nodes(graph):
         chain = set(_producers(gathered)) | set(copy_out_chain(gathered))
-        readers = [user for node in chain for user in node.users if user not in chain]
+        readers = chain_readers(list(chain))
         if not readers or any(reader.op == "output" for reader in readers):
             continue  # gathered parameters leave the graph (a graph break): leave them be
         first_reader = min(readers, key=order.__getitem__)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch.fx as fx
 
 from ._graph import c10d, group_annotation, is_backward, reorder_by_priority
 from .bucket import members
-from .reshard import copy_out_chain
+from .reshard import chain_readers, copy_out_chain
 
 _GATHER = c10d.all_gather_into_tensor.default
 _REDUCE = c10d.reduce_scatter_tensor.default
@@ -46,8 +46,6 @@ _REDUCE = c10d.reduce_scatter_tensor.default
 class _Unit:
     collective: fx.Node
     wait: fx.Node
-    copy_in: list[fx.Node] = field(default_factory=list)
-    copy_out: list[fx.Node] = field(default_factory=list)
 
     @property
     def members(self) -> list[str]:
@@ -91,12 +89,8 @@ def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
     The output does not count: a forward that saves the parameters for backward
     (no resharding) still computes with them first.
     """
-    chain = set(copy_out_chain(unit.wait))
-    readers = [user for node in chain for user in node.users if user not in chain and user.op != "output"]
-    if not readers:
-        return None
-    unit.copy_out = [node for node in chain if node is not unit.wait]
-    return min(position[reader] for reader in readers)
+    readers = [reader for reader in chain_readers(copy_out_chain(unit.wait)) if reader.op != "output"]
+    return min(position[reader] for reader in readers) if readers else None
 
 
 def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[fx.Node, float]:
@@ -117,10 +111,9 @@ def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[f
                 issue_at[id(target)] = min(issue_at[id(target)], wait_at[id(unit)] - 0.25)
     priority = {}
     for unit in ordered:
-        unit.copy_in = _copy_in(unit)
-        for node in [*unit.copy_in, unit.collective]:
+        for node in [*_copy_in(unit), unit.collective]:
             priority[node] = issue_at[id(unit)]
-        for node in [unit.wait, *unit.copy_out]:
+        for node in copy_out_chain(unit.wait):
             priority[node] = wait_at[id(unit)]
     return priority
 
@@ -129,16 +122,16 @@ def _reduce_priorities(graph, position, depth: int) -> dict[fx.Node, float]:
     """Issue each reduce-scatter right after its last gradient; wait ``depth`` reductions later."""
     units = _units(graph, _REDUCE)
     ready_at = {}
+    copy_in = {id(unit): _copy_in(unit) for unit in units}
     for unit in units:
-        unit.copy_in = _copy_in(unit)
-        inside = set(unit.copy_in)
-        producers = [p for node in [*unit.copy_in, unit.collective] for p in node.all_input_nodes if p not in inside]
+        inside = set(copy_in[id(unit)])
+        producers = [p for node in [*inside, unit.collective] for p in node.all_input_nodes if p not in inside]
         ready_at[id(unit)] = max(position[producer] for producer in producers) + 0.5
     units.sort(key=lambda unit: ready_at[id(unit)])
     end = float(len(position))
     priority = {}
     for j, unit in enumerate(units):
-        for node in [*unit.copy_in, unit.collective]:
+        for node in [*copy_in[id(unit)], unit.collective]:
             priority[node] = ready_at[id(unit)]
         priority[unit.wait] = ready_at[id(units[j + depth])] + 0.75 if j + depth < len(units) else end
     return priority

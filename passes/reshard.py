@@ -63,6 +63,12 @@ def copy_out_chain(gathered: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def chain_readers(chain: list[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``chain`` that read one of its nodes: where the gathered parameters are used."""
+    members = set(chain)
+    return [user for node in chain for user in node.users if user not in members]
+
+
 def all_gather_chain(all_gather: fx.Node) -> list[fx.Node]:
     """An ``fsdp.all_gather_into``, the shard views feeding it, and its copy-out chain."""
     shard_views = [shard for shard in all_gather.args[0] if _is_chain_node(shard)]
