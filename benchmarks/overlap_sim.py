@@ -83,7 +83,7 @@ def simulate_schedules(
 
         reports = []
         for name in schedules:
-            with overridden(**SCHEDULES[name]):
+            with overridden(cost_profile=profile_name, **SCHEDULES[name]):
                 graphs = [graph_module.graph for graph_module in capture_step(model, loss_fn)]
             simulation = simulate_step(graphs, profile)
             beyond = simulation.exposed_beyond_first_and_last()

@@ -225,7 +225,7 @@ def _switch_off_overlap_passes() -> list[str]:
 def _functional_collective_kinds() -> dict[object, str]:
     """``_c10d_functional`` collectives by kind: what compiled graphs hold after the suite's ``lower`` pass."""
     names = {
-        "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"),
+        "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
         "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
         "all_reduce": ("all_reduce", "all_reduce_coalesced"),
     }

@@ -24,6 +24,7 @@ def _collective_kinds() -> dict[object, str]:
             "c10d.allgather_",
             "c10d.allgather_into_tensor_coalesced_",
             "_c10d_functional.all_gather_into_tensor",
+            "_c10d_functional.all_gather_into_tensor_out",
             "_c10d_functional.all_gather_into_tensor_coalesced",
         ],
         "reduce_scatter": [

@@ -15,8 +15,9 @@ sharded with ``fully_shard``, right before the partitioner splits it:
 
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 ``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters
-early (the schedule), ``verify`` again; ``keep_order`` makes Inductor's scheduler
-keep that schedule.
+early (the schedule); with Inductor, ``gather_buffers`` lets its memory planner
+allocate (and reuse) the all-gather outputs; ``verify`` again. ``keep_order`` makes
+Inductor's scheduler keep that schedule.
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
 A graph holding only part of a sharded model (a graph break) raises a
@@ -29,6 +30,7 @@ site-packages.
 from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
 from .bucket import bucket
 from .copy_out import copy_out
+from .gather_buffers import gather_into_planned_buffers
 from .install import has_sharded_params, install, run_partitioned_suite, run_suite
 from .keep_order import keep_fx_order
 from .lower import lower
@@ -46,6 +48,7 @@ __all__ = [
     "ShardedGraphBreakWarning",
     "bucket",
     "copy_out",
+    "gather_into_planned_buffers",
     "has_sharded_params",
     "install",
     "keep_fx_order",

@@ -162,6 +162,8 @@ def _input_values(node: fx.Node) -> tuple[tuple, dict]:
 
 # Declared without an alias, but the output is the input's memory (the copy-out's ``clone`` + ``_unsafe_view``).
 _UNDECLARED_VIEWS = {aten._unsafe_view.default}
+# Ops that only allocate: memory, but no kernel.
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default}
 # Declared as views, but they copy a non-contiguous input.
 _VIEWS_IF_CONTIGUOUS = {aten.reshape.default, aten.contiguous.default}
 
@@ -246,13 +248,14 @@ def node_flops(node: fx.Node) -> int:
 def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
     """Seconds ``node`` occupies the compute lane: ``max(flops / peak, bytes / bandwidth) + kernel overhead``.
 
-    0 for placeholders and outputs, views, nodes that produce no tensor (size
-    arithmetic, storage ops), collectives (issuing costs nothing, see ``simulate``)
-    and ``wait_tensor``. The matmul peak is the one of the first tensor input's dtype.
+    0 for placeholders and outputs, views, allocations (``empty``), nodes that produce
+    no tensor (size arithmetic, storage ops), collectives (issuing costs nothing, see
+    ``simulate``) and ``wait_tensor``. The matmul peak is the one of the first tensor input's dtype.
     """
     if (
         node.op != "call_function"
         or is_view(node)
+        or node.target in _ALLOCATIONS
         or node.target is c10d.wait_tensor.default
         or is_collective(node)
         or not _tensors(node.meta.get("val"))
@@ -283,6 +286,7 @@ class CollectiveInfo:
 # op -> (kind, index of the group size argument or None, synchronous)
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: ("all_gather", 1, False),
+    c10d.all_gather_into_tensor_out.default: ("all_gather", 1, False),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
     c10d.all_reduce.default: ("all_reduce", None, False),
     fsdp.all_gather_into.default: ("all_gather", 2, True),

@@ -10,7 +10,8 @@ Four hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
   joint-graph preparation and, through its ``uuid``, puts the pass settings into
   Inductor's and AOTAutograd's cache keys (the functorch hook is not part of them).
 - ``torch._inductor.config.post_grad_custom_post_pass`` runs on the partitioned
-  forward and backward graphs: ``reorder`` schedules them there
+  forward and backward graphs: ``reorder`` schedules them there and
+  ``gather_buffers`` hands the all-gather outputs to Inductor's memory planner
   (``run_partitioned_suite``). Backends without such a hook (``aot_eager``) run the
   partitioner's order; a custom backend can call ``run_partitioned_suite`` itself.
 - ``torch._inductor.config.reorder_for_compute_comm_overlap_passes`` gets
@@ -24,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -32,12 +34,13 @@ from compile_shard.debug import GraphDump
 from ._graph import fsdp, group_annotation, is_backward
 from .bucket import bucket
 from .copy_out import copy_out
+from .gather_buffers import gather_into_planned_buffers
 from .graph_breaks import warn_if_partial
 from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
-from .cost_model import get_profile
+from .cost_model import HardwareProfile, get_profile
 from .reorder import schedule, schedule_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
@@ -98,24 +101,43 @@ def cost_profile(graph: fx.Graph) -> str:
     return "h100_nvlink" if on_cuda else "cpu_gloo"
 
 
-def run_partitioned_suite(graph: fx.Graph) -> int:
+def scheduled_depths(profile: HardwareProfile) -> tuple[int, int]:
+    """``settings.prefetch_depth`` and ``reduce_scatter_depth``, a ``None`` resolved for ``profile``.
+
+    A prefetch or a reduction in flight holds one group's unsharded size to hide a
+    transfer behind compute. Where the profile says nothing overlaps (``cpu_gloo``: the
+    collectives need the cores compute runs on) it hides nothing, so the default there
+    is 0, the memory of FSDP2 without prefetch; elsewhere 1, FSDP2's own schedule.
+    """
+    default = 1 if profile.overlaps_communication else 0
+    return (
+        default if settings.prefetch_depth is None else settings.prefetch_depth,
+        default if settings.reduce_scatter_depth is None else settings.reduce_scatter_depth,
+    )
+
+
+def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> int:
     """Schedules one partitioned forward or backward graph (``reorder``); returns how many nodes moved.
 
-    With graph dumps on, writes the scheduled graph and the simulated schedule into
-    the folder of the joint graph it came from.
+    ``planned_buffers`` (Inductor's hook sets it): then ``gather_buffers`` lets the
+    compiler allocate every all-gather's output. With graph dumps on, writes the final
+    graph and the simulated schedule into the folder of the joint graph it came from.
     """
     moved = 0
+    profile = get_profile(cost_profile(graph))
+    prefetch_depth, reduce_scatter_depth = scheduled_depths(profile)
     if settings.reorder and settings.memory_budget_mb is None:
-        moved = schedule(graph, settings.prefetch_depth, settings.reduce_scatter_depth)
+        moved = schedule(graph, prefetch_depth, reduce_scatter_depth)
     elif settings.reorder:
-        profile = get_profile(cost_profile(graph))
         moved = schedule_within_budget(
             graph,
-            settings.prefetch_depth,
-            settings.reduce_scatter_depth,
+            prefetch_depth,
+            reduce_scatter_depth,
             settings.memory_budget_mb * 2**20,
             lambda scheduled: simulate(scheduled, profile).peak_memory_bytes,
         )
+    if planned_buffers and settings.gather_buffers:
+        gather_into_planned_buffers(graph)
     if settings.verify:
         verify(graph)
     if GraphDump.latest is not None:
@@ -160,7 +182,23 @@ class _ChainedInductorPass(CustomGraphPass):
 
     def uuid(self):
         previous = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
-        return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), previous)
+        return (get_hash_for_files(_PASS_SOURCES), settings.cache_key(), rank_cache_key(), previous)
+
+
+def rank_cache_key() -> int | None:
+    """This process's rank where the suite's graphs depend on it, for the cache keys; else ``None``.
+
+    [Note: rank-specific graphs and the caches]
+    On gloo, ``lower`` slices this rank's shard out of an all-reduce ([Note: gloo
+    reduce-scatter]), so each rank's compiled backward differs, while the Dynamo graph
+    that AOTAutograd's cache is keyed on is the same on every rank. Without the rank in
+    the key, ranks sharing a cache directory load each other's backward (measured:
+    wrong gradients on 3 ranks once the cache was warm). Elsewhere the graphs are
+    rank-agnostic and ranks keep sharing one cache entry.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank() if "gloo" in dist.get_backend() else None
 
 
 class _InductorJointPrePass(_ChainedInductorPass):
@@ -172,10 +210,10 @@ class _InductorJointPrePass(_ChainedInductorPass):
 
 
 class _PostGradPass(_ChainedInductorPass):
-    """Inductor's post-grad hook: schedules each partitioned forward and backward graph."""
+    """Inductor's post-grad hook: schedules each partitioned forward and backward graph, planned buffers on."""
 
     def run(self, graph: fx.Graph) -> None:
-        run_partitioned_suite(graph)
+        run_partitioned_suite(graph, planned_buffers=True)
 
 
 def install() -> None:

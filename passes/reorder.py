@@ -38,8 +38,10 @@ from ._graph import c10d, group_annotation, is_backward, reorder_by_priority
 from .bucket import members
 from .reshard import chain_readers, copy_out_chain
 
-_GATHER = c10d.all_gather_into_tensor.default
-_REDUCE = c10d.reduce_scatter_tensor.default
+_GATHER = (c10d.all_gather_into_tensor.default,)
+# A gradient reduction is a reduce-scatter, or an all-reduce where the backend has no
+# reduce-scatter (see [Note: gloo reduce-scatter] in ``lower``).
+_REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
 
 
 @dataclass
@@ -73,9 +75,9 @@ def _copy_in(unit: _Unit) -> list[fx.Node]:
     return found
 
 
-def _units(graph: fx.Graph, target) -> list[_Unit]:
+def _units(graph: fx.Graph, targets: tuple) -> list[_Unit]:
     units = []
-    for collective in graph.find_nodes(op="call_function", target=target):
+    for collective in [node for target in targets for node in graph.find_nodes(op="call_function", target=target)]:
         if group_annotation(collective) is None or len(collective.users) != 1:
             continue
         (wait,) = collective.users

@@ -36,10 +36,15 @@ class PassSettings:
     place: bool = True
     #: Schedule the partitioned forward and backward graphs for overlap (see ``reorder``).
     reorder: bool = True
-    #: How many groups ahead an all-gather is issued (0: right before use).
-    prefetch_depth: int = 1
-    #: How many reduce-scatters stay in flight before the oldest is waited on.
-    reduce_scatter_depth: int = 1
+    #: How many groups ahead an all-gather is issued (0: right before use). ``None``: 1
+    #: where the cost profile overlaps communication with compute, else 0 (see
+    #: ``scheduled_depths``).
+    prefetch_depth: int | None = None
+    #: How many reduce-scatters stay in flight before the oldest is waited on; ``None`` as above.
+    reduce_scatter_depth: int | None = None
+    #: With Inductor: all-gathers write into compiler-allocated buffers that its memory
+    #: planner reuses from group to group; see [Note: planned all-gather buffers].
+    gather_buffers: bool = True
     #: Peak-memory cap for a scheduled graph in MB; the prefetch depth is lowered to fit.
     memory_budget_mb: float | None = None
     #: Hardware profile for the simulator (budget, dumps); ``None``: by the graph's device.

@@ -145,8 +145,10 @@ def _alias_source(node: fx.Node) -> fx.Node | None:
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target._schema.returns:
         alias = target._schema.returns[0].alias_info
-        if alias is not None and alias.is_write:  # in-place: returns its mutated argument
-            return node.args[0]
+        if alias is not None and alias.is_write:  # in-place or out=: returns the argument it wrote
+            for index, argument in enumerate(target._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.before_set == alias.before_set:
+                    return node.kwargs[argument.name] if argument.kwarg_only else node.args[index]
     return None
 
 

@@ -19,6 +19,7 @@ from .reshard import copy_out_chain
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
+    c10d.all_gather_into_tensor_out.default,
     c10d.reduce_scatter_tensor.default,
     c10d.all_reduce.default,
 }

@@ -37,7 +37,9 @@ def op_counts(graph: fx.Graph) -> Counter:
         fsdp.set_.default: "fsdp.set_",
         fsdp.resize_storage_.default: "fsdp.resize_storage_",
         c10d.all_gather_into_tensor.default: "all_gather",
+        c10d.all_gather_into_tensor_out.default: "all_gather_out",
         c10d.reduce_scatter_tensor.default: "reduce_scatter",
+        c10d.all_reduce.default: "all_reduce",
         c10d.wait_tensor.default: "wait",
     }
     return Counter(names[node.target] for node in graph.nodes if node.target in names)

@@ -68,7 +68,10 @@ def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_ca
     """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
     capture = CapturingBackend()
     torch._dynamo.reset()
-    with FakeProcessGroup(world_size), dump_graphs(dump_dir), pass_settings(bucket_cap_mb=bucket_cap_mb):
+    # The schedule of a machine that overlaps communication (prefetch and reductions in
+    # flight); on CPU the suite would default to none (``scheduled_depths``).
+    schedule_for = pass_settings(bucket_cap_mb=bucket_cap_mb, cost_profile="h100_nvlink")
+    with FakeProcessGroup(world_size), dump_graphs(dump_dir), schedule_for:
         torch.manual_seed(0)
         # One mesh object for the whole model: DTensor brings its DeviceMesh into the
         # graph as an opaque input, and separate-but-equal meshes would make the graph

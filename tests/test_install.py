@@ -88,6 +88,39 @@ def test_switching_off_place_and_reorder_keeps_every_gather_at_the_start():
     with pass_settings(reorder=False):
         gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
     assert gathers[0] < first_compute < gathers[1]
-    # reorder (the default) prefetches it: issued before the first layer computes.
-    gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
+    # reorder (the default) prefetches it on a machine that overlaps: issued before the first layer computes.
+    with pass_settings(cost_profile="h100_nvlink"):
+        gathers, first_compute = _first_gather_position(_compile_mlp().forward_graphs[0].graph)
     assert gathers[1] < first_compute
+
+
+def test_schedule_depths_default_to_what_the_cost_profile_can_overlap():
+    from compile_shard.passes.cost_model import get_profile
+    from compile_shard.passes.install import scheduled_depths
+
+    assert scheduled_depths(get_profile("cpu_gloo")) == (0, 0)  # gloo shares the compute cores
+    assert scheduled_depths(get_profile("h100_nvlink")) == (1, 1)
+    with pass_settings(prefetch_depth=2):
+        assert scheduled_depths(get_profile("cpu_gloo")) == (2, 0)
+    with pass_settings(reduce_scatter_depth=3):
+        assert scheduled_depths(get_profile("h100_nvlink")) == (1, 3)
+
+
+def _cache_keys_differ_between_ranks(rank, world_size):
+    import torch.distributed as dist
+
+    passes.install()
+    keys = [None] * world_size
+    dist.all_gather_object(keys, torch._inductor.config.joint_custom_pre_pass.uuid())
+    # gloo lowers reductions rank-specifically ([Note: rank-specific graphs and the caches]).
+    assert len(set(map(repr, keys))) == world_size
+
+
+def test_cache_key_holds_the_rank_on_gloo_only():
+    from dist_utils import run_gloo
+
+    run_gloo(_cache_keys_differ_between_ranks, 2)
+    from compile_shard.passes.install import rank_cache_key
+
+    with FakeProcessGroup(2):
+        assert rank_cache_key() is None  # rank-agnostic graphs: every rank shares one cache entry

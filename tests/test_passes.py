@@ -1,5 +1,6 @@
 """Each pass on small hand-built graphs, including graphs where it must do nothing."""
 
+import importlib
 import operator
 import warnings
 
@@ -169,6 +170,28 @@ def test_lower_reduce_scatter(reduce_op, divides):
     assert any(n.target is aten.div.Tensor for n in graph_module.graph.nodes) == divides
 
 
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_lower_reduce_scatter_on_gloo_all_reduces_and_slices_this_ranks_shard(reduce_op, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("compile_shard.passes.lower"), "all_reduce_shard_index", lambda *_: 1)
+
+    def fn(grad):
+        return torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, reduce_op)
+
+    graph_module = trace(fn, torch.randn(8))
+    assert lower(graph_module.graph) == 1
+    assert op_counts(graph_module.graph) == {"all_reduce": 1, "wait": 1}
+    (reduction,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_reduce.default)
+    assert reduction.args[1:] == ("sum", GROUP)
+    (wait,) = reduction.users
+    (shard,) = wait.users
+    assert shard.target is aten.slice.Tensor and shard.args[1:] == (0, 4, 8)  # rank 1's half
+    (result,) = shard.users
+    # The result is its own 4-element tensor, never a view that keeps the whole sum alive.
+    assert result.target is (aten.div.Tensor if reduce_op == "avg" else aten.clone.default)
+    assert result.meta["val"].shape == (4,)
+    verify(graph_module.graph)
+
+
 def test_lower_leaves_graphs_without_fsdp_ops_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = _code(graph_module)
@@ -191,7 +214,8 @@ def _gloo_lowering_computes_the_same(rank, world_size):
     lower(graph_module.graph)
     graph_module.recompile()
     actual = graph_module(shard, grad)
-    assert op_counts(graph_module.graph)["all_gather"] == 1
+    # gloo has no reduce-scatter of its own: the lowering all-reduces and slices ([Note: gloo reduce-scatter]).
+    assert op_counts(graph_module.graph) == {"all_gather": 1, "all_reduce": 1, "wait": 2}
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
 

@@ -1,5 +1,6 @@
-"""bucket, reorder (schedule), keep_order and the priority sort, on small hand-built graphs."""
+"""bucket, reorder (schedule), keep_order, gather_buffers and the priority sort, on small hand-built graphs."""
 
+import importlib
 import operator
 from types import SimpleNamespace
 
@@ -8,7 +9,18 @@ import torch
 import torch.fx as fx
 
 from compile_shard._group import GROUP_ANNOTATION
-from compile_shard.passes import bucket, keep_fx_order, lower, place, reshard, schedule, verify
+from compile_shard.passes import (
+    bucket,
+    gather_into_planned_buffers,
+    keep_fx_order,
+    lower,
+    place,
+    reshard,
+    schedule,
+    verify,
+)
+from compile_shard.passes.cost_model import get_profile
+from compile_shard.passes.simulate import simulate
 from compile_shard.passes._graph import reorder_by_priority
 from dist_utils import FakeProcessGroup, run_gloo
 from graph_utils import c10d, fsdp, trace
@@ -267,7 +279,12 @@ def _backward_like(g_a, g_b, g_c, x):
     return grads
 
 
-def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later():
+@pytest.mark.parametrize("by_all_reduce", [False, True], ids=["reduce_scatter", "all_reduce"])
+def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_all_reduce, monkeypatch):
+    # On gloo, lower reduces gradients with an all-reduce (see [Note: gloo reduce-scatter]).
+    lower_module = importlib.import_module("compile_shard.passes.lower")
+    monkeypatch.setattr(lower_module, "all_reduce_shard_index", lambda *_: 0 if by_all_reduce else None)
+    reduction = c10d.all_reduce.default if by_all_reduce else c10d.reduce_scatter_tensor.default
     graph_module = trace(_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
     graph = graph_module.graph
     _annotate_reductions(graph, ["c", "b", "a"])
@@ -283,7 +300,8 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later():
         output.prepend(node)
     assert schedule(graph, reduce_scatter_depth=1) > 0
     verify(graph)
-    issues = _position(graph, _is(c10d.reduce_scatter_tensor.default))
+    issues = _position(graph, _is(reduction))
+    assert len(issues) == 3
     waits = _position(graph, _is(c10d.wait_tensor.default))
     tanhs = _position(graph, _is(aten.tanh.default))
     # Reduction k is issued before the next gradient's compute; it is waited on after reduction k+1 is issued.
@@ -345,3 +363,34 @@ def test_keep_fx_order_leaves_unannotated_graphs_alone():
 def fake_group():
     with FakeProcessGroup(WORLD):
         yield
+
+
+# gather_buffers ----------------------------------------------------------------------
+
+
+def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the_same_memory():
+    graph_module = _traced()
+    graph = graph_module.graph
+    lower(graph)
+    schedule(graph, prefetch_depth=1)
+    before = simulate(graph, get_profile("h100_nvlink"))
+    assert gather_into_planned_buffers(graph) == 3
+    verify(graph)
+    assert not graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    for gather in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default):
+        buffer = gather.kwargs["out"]
+        assert buffer.target is aten.new_empty.default and buffer.meta["val"].shape == gather.meta["val"].shape
+        (wait,) = gather.users
+        # Right after the real wait, a wait on the copy-in keeps it alive for Inductor's planner.
+        assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (gather.args[0],)
+    # The simulator sees the same schedule and the same memory: the out= result is its buffer.
+    after = simulate(graph, get_profile("h100_nvlink"))
+    assert after.peak_memory_bytes == before.peak_memory_bytes
+    assert after.step_seconds == pytest.approx(before.step_seconds)
+
+
+def test_gather_buffers_leaves_graphs_without_gathers_alone():
+    graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
+    before = graph_module.print_readable(print_output=False)
+    assert gather_into_planned_buffers(graph_module.graph) == 0
+    assert graph_module.print_readable(print_output=False) == before

@@ -110,7 +110,9 @@ def test_gloo_collectives_per_step(gloo_report):
     assert modes["fsdp2_eager"]["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
     compiled = modes["cs_compiled"]
     assert compiled["collectives"] == compiled["graph_collectives"]
-    assert compiled["collectives"]["all_gather"] >= 1 and compiled["collectives"]["reduce_scatter"] >= 1
+    # The same all-gathers; on gloo each group's reduce-scatter is lowered as an all-reduce
+    # ([Note: gloo reduce-scatter] in passes/lower.py).
+    assert compiled["collectives"] == {"all_gather": 5, "reduce_scatter": 0, "all_reduce": 3}
     assert modes["ddp"]["collectives"]["all_reduce"] >= 1
     assert modes["ddp"]["collectives"]["all_gather"] == modes["ddp"]["collectives"]["reduce_scatter"] == 0
     assert modes["reference"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
