@@ -2,9 +2,10 @@
 
     python benchmarks/profile_step.py --mode cs_compiled      # config B, 2 gloo ranks
     python benchmarks/profile_step.py --mode fsdp2_eager
+    python benchmarks/profile_step.py --mode ddp_compiled --config A
 
-Builds config B's model (``train_bench.CONFIGS``), shards it like ``train_bench.py``
-does for the mode, runs two warm-up steps (compilation included) and profiles three
+Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
+it like ``train_bench.py`` does for the mode, runs two warm-up steps (compilation included) and profiles three
 steps on every rank. Rank 0 prints the operators with the most self CPU time and the
 share of the profiled time spent in collectives (waits included), computing, and in
 the optimizer.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from compile_shard import fully_shard
@@ -33,6 +35,8 @@ COMMUNICATION = ("c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", 
 def _build(mode: str, config) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Llama(config)
+    if mode == "ddp_compiled":
+        return torch.compile(DistributedDataParallel(model))
     shard = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
     for block in model.layers:
         shard(block)
@@ -47,11 +51,11 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad()
 
 
-def _worker(rank: int, world_size: int, port: int, mode: str, top: int) -> None:
+def _worker(rank: int, world_size: int, port: int, mode: str, top: int, config_name: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        bench = CONFIGS["B"]
+        bench = CONFIGS[config_name]
         config = bench.llama()
         model = _build(mode, config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -84,7 +88,8 @@ def _report(profiler, mode: str, top: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("cs_compiled", "cs_eager", "fsdp2_eager"), default="cs_compiled")
+    parser.add_argument("--mode", choices=("cs_compiled", "cs_eager", "fsdp2_eager", "ddp_compiled"), default="cs_compiled")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
@@ -92,7 +97,7 @@ def main(argv=None) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(args.world_size, port, args.mode, args.top), nprocs=args.world_size, join=True)
+    mp.spawn(_worker, args=(args.world_size, port, args.mode, args.top, args.config), nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

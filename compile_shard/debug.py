@@ -113,7 +113,9 @@ def format_graph(graph: torch.fx.Graph) -> str:
             text = f"return {_format_arg(node.args[0], names)}"
         else:
             typed_name = f"{names[node]}: {shape}" if shape else names[node]
-            text = f"{typed_name} = {_target_name(node.target)}({_format_arg(node.args, names)[1:-1]})"
+            arguments = [_format_arg(arg, names) for arg in node.args]
+            arguments += [f"{key}={_format_arg(value, names)}" for key, value in node.kwargs.items()]
+            text = f"{typed_name} = {_target_name(node.target)}({', '.join(arguments)})"
         notes = []
         annotation = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
         if annotation is not None:
@@ -180,14 +182,28 @@ def dump_graphs(path: str | os.PathLike) -> Iterator[Path]:
     The simulation uses ``compile_shard.passes.settings.cost_profile`` (by default
     ``h100_nvlink`` for CUDA graphs, ``cpu_gloo`` otherwise). The forward and backward
     files need a backend with the post-partition hook (Inductor, or one that calls
-    ``run_partitioned_suite``).
+    ``run_partitioned_suite``). Inductor's and AOTAutograd's caches are off inside:
+    a cache hit skips the passes, and with them the dump.
     """
     global _dump_dir
     previous, _dump_dir = _dump_dir, Path(path)
     try:
-        yield _dump_dir
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+            enable_autograd_cache=False
+        ):
+            yield _dump_dir
     finally:
         _dump_dir = previous
+
+
+def turn_off_caches_when_dumping_from_environment() -> None:
+    """With ``COMPILE_SHARD_DUMP_DIR`` set, turns Inductor's and AOTAutograd's caches off for the process.
+
+    A cache hit skips the passes, and with them the dump (see :func:`dump_graphs`).
+    """
+    if os.environ.get("COMPILE_SHARD_DUMP_DIR"):
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
 
 
 class GraphDump:

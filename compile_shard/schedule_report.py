@@ -27,15 +27,16 @@ def _graph_name(index: int) -> str:
 
 def schedule_table(simulation: Simulation) -> str:
     """One line per collective: where it is issued and waited, what it overlaps, what stays exposed."""
+    name_width = max([34, *(len(record.name) for record in simulation.collectives)])
     header = (
-        f"{'graph':<9} {'collective':<34} {'kind':<15} {'group':<22} {'MiB':>8} {'issued after':<28} "
+        f"{'graph':<9} {'collective':<{name_width}} {'kind':<15} {'group':<22} {'MiB':>8} {'issued after':<28} "
         f"{'waited at':<28} {'start ms':>9} {'end ms':>9} {'exposed ms':>10}  overlaps"
     )
     lines = [header, "-" * len(header)]
     for record in simulation.collectives:
         overlaps = ", ".join(record.overlapped_compute) or "-"
         lines.append(
-            f"{_graph_name(record.graph):<9} {record.name:<34} "
+            f"{_graph_name(record.graph):<9} {record.name:<{name_width}} "
             f"{record.kind:<15} {record.group or '-':<22} {record.bytes / 2**20:8.3f} "
             f"{record.issued_after or '(start)':<28} {record.waited_at or '(output)':<28} "
             f"{record.start * 1e3:9.3f} {record.end * 1e3:9.3f} {record.exposed_seconds * 1e3:10.3f}  {overlaps}"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from compile_shard.debug import GraphDump
+from compile_shard.debug import GraphDump, turn_off_caches_when_dumping_from_environment
 
 from ._graph import fsdp, group_annotation, is_backward
 from .bucket import bucket
@@ -218,6 +218,7 @@ class _PostGradPass(_ChainedInductorPass):
 
 def install() -> None:
     """Puts the suite on every hook unless it is already there."""
+    turn_off_caches_when_dumping_from_environment()
     functorch_config = torch._functorch.config
     if not isinstance(functorch_config.joint_custom_pass, _JointPass):
         functorch_config.joint_custom_pass = _JointPass(functorch_config.joint_custom_pass)

@@ -67,6 +67,16 @@ def test_dump_dir_from_environment(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["graph_000", "graph_001"]
 
 
+def test_a_warm_cache_does_not_skip_the_dump(tmp_path):
+    """Inductor twice on the same model: the second compile would hit the caches, skipping the passes."""
+    for _ in range(2):
+        with dump_graphs(tmp_path):
+            _compile_small_model("inductor")
+    for folder in ("graph_000", "graph_001"):
+        forward = (tmp_path / "rank0" / folder / "08_forward.txt").read_text()
+        assert "all_gather_into_tensor_out.default" in forward  # gather_buffers ran: Inductor's post-grad hook
+
+
 def test_no_dump_by_default(tmp_path, monkeypatch):
     monkeypatch.delenv("COMPILE_SHARD_DUMP_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
