@@ -124,7 +124,8 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     graph and the simulated schedule into the folder of the joint graph it came from.
     """
     moved = 0
-    profile = get_profile(cost_profile(graph))
+    profile_name = cost_profile(graph)
+    profile = get_profile(profile_name)
     prefetch_depth, reduce_scatter_depth = scheduled_depths(profile)
     if settings.reorder and settings.memory_budget_mb is None:
         moved = schedule(graph, prefetch_depth, reduce_scatter_depth)
@@ -141,7 +142,7 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     if settings.verify:
         verify(graph)
     if GraphDump.latest is not None:
-        GraphDump.latest.write_partitioned("backward" if is_backward(graph) else "forward", graph, cost_profile(graph))
+        GraphDump.latest.write_partitioned("backward" if is_backward(graph) else "forward", graph, profile_name)
     return moved
 
 
