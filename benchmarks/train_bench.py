@@ -15,6 +15,8 @@ batches, each mode in its own fresh processes, one mode after the other:
 - ``cs_compiled``: the same model under ``torch.compile`` with the full pass suite.
 - ``cs_compiled_no_overlap``: the same with the overlap passes (``bucket``, ``reorder``
   in ``compile_shard.passes.settings``) switched off, those that exist in this checkout.
+- ``cs_compiled_regions``: ``cs_compiled`` with ``settings.compile_regions``: each block
+  traced as a nested compile region that all blocks reuse (one block compiled).
 - ``fsdp2_eager``: ``torch.distributed.fsdp.fully_shard`` per block, then the root.
 - ``fsdp2_block_compiled``: torchtitan's recipe, ``block.compile(fullgraph=True)`` for
   each block, then FSDP2's ``fully_shard`` per block and the root.
@@ -59,7 +61,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -195,12 +196,14 @@ class Mode:
     compiled: bool = False
     counted_in_graphs: bool = False
     overlap_off: bool = False
+    compile_regions: bool = False
 
 
 MODES = {
     "cs_eager": Mode(_build_cs),
     "cs_compiled": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True),
     "cs_compiled_no_overlap": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, overlap_off=True),
+    "cs_compiled_regions": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=True),
     "fsdp2_eager": Mode(_build_fsdp2),
     "fsdp2_block_compiled": Mode(_build_fsdp2_block_compiled, compiled=True),
     "ddp": Mode(_build_ddp),
@@ -256,13 +259,23 @@ class GraphRecorder:
         if self.backend_name == "inductor":
             return "inductor"
         if self.backend_name == "aot_eager":
-            from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+            from torch._dynamo.backends.common import aot_autograd
+            from torch._dynamo.backends.debugging import boxed_nop
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+            from compile_shard.passes.regions import with_region_tags
 
             def compiler(graph_module: fx.GraphModule, example_inputs):
                 self.record(graph_module.graph)
                 return boxed_nop(graph_module, example_inputs)
 
-            return functools.partial(aot_eager, fw_compiler=compiler, bw_compiler=compiler)
+            # aot_eager's own settings, its partitioner preceded by the compile-region tags.
+            return aot_autograd(
+                fw_compiler=compiler,
+                bw_compiler=compiler,
+                partition_fn=with_region_tags(min_cut_rematerialization_partition),
+                keep_inference_input_mutations=True,
+            )
         raise ValueError(f"unknown backend {self.backend_name!r}: expected 'inductor' or 'aot_eager'")
 
     def attach(self) -> None:
@@ -563,6 +576,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     batches = [batch[rows].to(device) for batch in _global_batches(plan.config)]
     recorder = GraphRecorder(plan.backend, keep_graphs=plan.fake and mode.counted_in_graphs)
     overlap_off = _switch_off_overlap_passes() if mode.overlap_off else None
+    compile_shard.passes.settings.compile_regions = mode.compile_regions
     ctx = BuildContext(_mesh(plan), recorder.backend() if mode.compiled else None)
     torch.manual_seed(0)
     model = Llama(plan.config.llama()).to(device)

@@ -12,6 +12,8 @@ from torch.utils._pytree import tree_flatten
 
 from ._group import FSDPParamGroup
 from ._param import FSDPParam, ParamUsage
+from ._region import REGIONS_SUPPORTED, accepts_region_call, block_signature, call_in_region
+from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -29,6 +31,10 @@ class FSDPState:
         self.is_root = True
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
+        # For [Note: sharded blocks as nested compile regions]: set for a module whose
+        # subtree holds no other fully_shard module.
+        self.region_signature: tuple | None = None
+        self.region_modules: list[nn.Module] = []
 
     def claim_root(self) -> None:
         """Makes this state the root of every fully_shard state below it.
@@ -71,6 +77,18 @@ class FSDPState:
         return self.reshard_after_forward
 
     # Around the module's forward -----------------------------------------------------
+
+    def compiles_as_region(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this trace runs the module's forward in its shared compile region."""
+        return (
+            settings.compile_regions
+            and REGIONS_SUPPORTED
+            and torch.compiler.is_compiling()
+            and not self.is_root
+            and self.region_signature is not None
+            and self.group.fsdp_params[0].unsharded_param is not None
+            and accepts_region_call(args, kwargs)
+        )
 
     def pre_forward(self) -> list[FSDPParamGroup]:
         """Unshards before the module's forward; returns the groups a trace showed."""
@@ -146,8 +164,15 @@ class FSDPModule:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self._fsdp_state()
         shown = state.pre_forward()
-        output = super().forward(*args, **kwargs)  # type: ignore[misc]
+        if state.compiles_as_region(args, kwargs):
+            output = call_in_region(cast(nn.Module, self), args, kwargs)
+        else:
+            output = super().forward(*args, **kwargs)  # type: ignore[misc]
         return state.post_forward(output, shown)
+
+    def _user_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward of the user's class, which the region calls."""
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
 
     def _fsdp_state(self) -> FSDPState:
         return cast(FSDPState, _get_state(cast(nn.Module, self)))
@@ -331,7 +356,11 @@ def fully_shard(
 
     install()
     state = FSDPState(module, mesh, group, reshard_after_forward)
+    sharded_below = any(_get_state(submodule) is not None for submodule in module.modules())
     module.__dict__[_STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))
+    if group is not None and not sharded_below:
+        state.region_signature = block_signature(module)
+        state.region_modules = list(module.modules())
     state.claim_root()
     return cast(FSDPModule, module)

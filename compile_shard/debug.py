@@ -92,6 +92,9 @@ def format_graph(graph: torch.fx.Graph) -> str:
     its fully_shard group and its partitioner tag; no file paths, line numbers or
     addresses, so the same graph prints the same on every machine.
 
+    A graph that calls compile regions (``invoke_subgraph``) lists each region's
+    body after its own nodes, indented under the region's name.
+
     Opaque inputs (the ``DeviceMesh`` every DTensor brings along) are left out:
     how many of them a trace has depends on object identities left over from
     earlier compilations, not on the program. Placeholders are renumbered among
@@ -123,7 +126,16 @@ def format_graph(graph: torch.fx.Graph) -> str:
         if "recompute" in node.meta:
             notes.append(f"{node.meta['recompute'].name}")
         lines.append(text + (f"  # {' '.join(notes)}" if notes else ""))
+    for name, region in _called_regions(graph):
+        lines.append(f"{name}:")
+        lines.extend(f"    {line}" for line in format_graph(region.graph).splitlines())
     return "\n".join(lines) + "\n"
+
+
+def _called_regions(graph: torch.fx.Graph) -> list[tuple[str, torch.fx.GraphModule]]:
+    calls = graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)
+    names = sorted({node.args[0].target for node in calls})
+    return [(name, getattr(graph.owning_module, name)) for name in names]
 
 
 def _stable_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:

@@ -4,14 +4,19 @@ The passes run, in this order, on the joint forward-backward graph of a model
 sharded with ``fully_shard``, right before the partitioner splits it:
 
 1. ``refunctionalize``: remove traced storage mutations.
-2. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
-3. ``reshard``: tag each group's all-gather chain for recompute or for saving.
-4. ``save_attention``: save zero-dropout attention that a checkpoint region would
+2. ``regions.forward_region_inputs``: with ``settings.compile_regions``, backward
+   reads a block region's parameter arguments, not the region's copies of them.
+3. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
+4. ``reshard``: tag each group's all-gather chain for recompute or for saving.
+5. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
-5. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-6. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
-7. ``place``: move each group's all-gather next to the forward's first use.
-8. ``verify``: check the graph invariants.
+6. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
+7. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
+8. ``place``: move each group's all-gather next to the forward's first use.
+9. ``verify``: check the graph invariants.
+
+Before that, Inductor's joint pre-pass runs ``regions.tag_region_parameters`` on each
+compile region's own joint graph, so its partition saves the parameters as inputs.
 
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 ``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters

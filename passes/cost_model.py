@@ -250,8 +250,12 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
 
     0 for placeholders and outputs, views, allocations (``empty``), nodes that produce
     no tensor (size arithmetic, storage ops), collectives (issuing costs nothing, see
-    ``simulate``) and ``wait_tensor``. The matmul peak is the one of the first tensor input's dtype.
+    ``simulate``) and ``wait_tensor``. The matmul peak is the one of the first tensor
+    input's dtype. A compile region (``invoke_subgraph``) costs what its nodes cost.
     """
+    if node.target is torch.ops.higher_order.invoke_subgraph:
+        region = getattr(node.graph.owning_module, node.args[0].target)
+        return sum(compute_seconds(inner, profile) for inner in region.graph.nodes)
     if (
         node.op != "call_function"
         or is_view(node)

@@ -40,6 +40,7 @@ from .keep_order import keep_fx_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
+from .regions import forward_region_inputs, tag_region_parameters
 from .cost_model import HardwareProfile, get_profile
 from .reorder import schedule, schedule_within_budget
 from .reshard import reshard
@@ -63,6 +64,7 @@ def has_sharded_params(graph: fx.Graph) -> bool:
 
 _PASSES = (
     ("refunctionalize", refunctionalize),
+    ("compile_regions", forward_region_inputs),
     ("bucket", lambda graph: bucket(graph, settings.bucket_cap_mb)),
     ("reshard", reshard),
     ("save_attention", save_attention),
@@ -203,7 +205,16 @@ def rank_cache_key() -> int | None:
 
 
 class _InductorJointPrePass(_ChainedInductorPass):
-    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings."""
+    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings.
+
+    It also sees each compile region's joint graph before its partition, where
+    ``tag_region_parameters`` marks the region's parameters for recompute.
+    """
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if settings.compile_regions:
+            tag_region_parameters(graph)
+        super().__call__(graph)
 
     def run(self, graph: fx.Graph) -> None:
         if settings.verify:

@@ -19,6 +19,12 @@ class PassSettings:
 
     #: Remove traced storage mutations (``fsdp.set_``, ``fsdp.resize_storage_``, copies into resized storage).
     refunctionalize: bool = True
+    #: Trace each sharded block (a fully_shard module with none below it) as a nested
+    #: compile region that every block with the same signature reuses: the block is
+    #: compiled once instead of once per layer. Needs Inductor (see [Note: region
+    #: parameters are saved as inputs]) and torch 2.13's ``reuse_hash_fn``; ignored on
+    #: older torch. See [Note: sharded blocks as nested compile regions].
+    compile_regions: bool = False
     #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.
     reshard: bool = True
     #: Save (not recompute) zero-dropout attention in checkpoint regions;

@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_shard._group import GROUP_ANNOTATION
 from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite
+from compile_shard.passes.regions import with_region_tags
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -49,14 +50,17 @@ class CapturingBackend:
     """An AOT backend that records the joint, forward and backward graphs it compiles.
 
     Like Inductor's post-grad hook, its compilers schedule the partitioned graphs
-    (``run_partitioned_suite``) before running them eagerly.
+    (``run_partitioned_suite``) before running them eagerly; like Inductor's joint
+    pre-pass, its partitioner tags compile regions' parameters (``tag_regions``).
     """
 
-    def __init__(self, min_cut: bool = False):
+    def __init__(self, min_cut: bool = False, tag_regions: bool = True):
         self.joint_graphs: list[fx.GraphModule] = []
         self.forward_graphs: list[fx.GraphModule] = []
         self.backward_graphs: list[fx.GraphModule] = []
         partition = min_cut_rematerialization_partition if min_cut else default_partition
+        if tag_regions:
+            partition = with_region_tags(partition)
 
         def partition_fn(joint, joint_inputs, **kwargs):
             self.joint_graphs.append(joint)

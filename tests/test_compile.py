@@ -106,8 +106,9 @@ def test_fullgraph_false_gives_the_same_single_graph():
     assert len(capture.forward_graphs) == 1
 
 
-def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None):
+def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False):
     settings.bucket_cap_mb = bucket_cap_mb
+    settings.compile_regions = compile_regions
     config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
     compiled_model, _ = build_sharded_llama(config)
     eager_model, _ = build_sharded_llama(config)

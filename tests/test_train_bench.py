@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
 GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference"]
-FAKE_MODES = ["cs_compiled", "fsdp2_eager"]
+FAKE_MODES = ["cs_compiled", "cs_compiled_regions", "fsdp2_eager"]
 TIME_FIELDS = {"cold_step_s", "median_step_s", "min_step_s"}
 RATIO_FIELDS = TIME_FIELDS | {"peak_memory_mb", "step_peak_memory_mb"}
 MODE_FIELDS = {
@@ -139,3 +139,11 @@ def test_fake_process_group_report(fake_report):
     assert compiled["simulated_comm_s"] == simulation["exposed_communication_s"]
     assert compiled["projected_step_s"] == pytest.approx(compiled["median_step_s"] + compiled["simulated_comm_s"])
     assert eager["simulation"] is None and eager["projected_step_s"] is None
+
+
+def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
+    compiled, regions = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_regions"]
+    stats = regions["compile"]
+    assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
+    assert regions["graph_collectives"] == compiled["graph_collectives"]  # backward still gathers again
+    assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)

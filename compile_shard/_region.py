@@ -1,0 +1,158 @@
+"""Compiles a sharded block once for every block like it: a nested compile region whose
+arguments are the block's unsharded parameters.
+
+[Note: sharded blocks as nested compile regions]
+``torch.compile`` of a whole model inlines every block, so Inductor lowers, schedules
+and generates code for each of them although they are the same computation.
+``torch.compiler.nested_compile_region`` traces a function once and stamps the same
+subgraph out for later calls. A block cannot simply be marked: it reads its unsharded
+parameters as attributes, and those are all-gather outputs inside the outer graph,
+which a reused region cannot re-map from one block to the next (Dynamo: "Freevar has
+no source"). So the block's forward wrapper passes the gathered tensors as region
+arguments and shows them to the block's modules inside the region
+(``FSDPParam.to_unsharded``); the collectives stay in the outer graph, where the pass
+suite schedules them.
+
+Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
+so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
+(see ``block_signature``) and the metadata of the call's arguments. Blocks with equal
+keys share one compiled subgraph. The key is conservative: anything the signature
+does not capture (a forward that reads a global, an attribute holding an arbitrary
+object) keeps blocks apart only through the object's identity, so two blocks that
+differ in such state and are otherwise alike would share a graph; turn regions off
+(``settings.compile_regions = False``) for such models.
+
+Backward must still gather again for resharded groups; [Note: region parameters are
+saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
+region keeps from saving the parameters.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+#: ``torch.fx.traceback.annotate`` key on the view through which a region reads each
+#: unsharded parameter argument; ``compile_shard.passes.regions`` finds them by it.
+REGION_PARAM_ANNOTATION = "compile_shard_region_param"
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _nested_region_takes_reuse_key() -> bool:
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region is not None and "reuse_hash_fn" in inspect.signature(region).parameters
+
+
+#: Whether this torch's ``nested_compile_region`` takes a ``reuse_hash_fn`` (2.13 does,
+#: 2.11 does not); without it sharded blocks are inlined as before.
+REGIONS_SUPPORTED = _nested_region_takes_reuse_key()
+
+
+def _plain_value(value: Any) -> Any:
+    """``value`` itself if plain, containers item by item (a hook dict by its hooks), else its identity."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain_value(item) for item in value)
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(_plain_value(item)) for item in value))
+    if isinstance(value, dict):
+        return tuple(_plain_value(item) for item in value.values())
+    return ("object", id(value))
+
+
+def _base_class(module: nn.Module) -> type:
+    cls = type(module)
+    while getattr(cls, "_compile_shard_base", None) is not None and cls is not cls._compile_shard_base:
+        cls = cls._compile_shard_base
+    return cls
+
+
+def block_signature(module: nn.Module) -> tuple:
+    """What must be equal for two blocks to share one compiled region.
+
+    Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
+    and ``requires_grad``, its hooks, and its other attributes (plain values by
+    value, anything else by identity). ``training`` is left out: the reuse key reads
+    it at trace time, as ``model.eval()`` may change it after ``fully_shard``.
+    """
+    skipped = {"_parameters", "_buffers", "_modules", "training"}
+    signature = []
+    for name, submodule in module.named_modules():
+        cls = _base_class(submodule)
+        tensors = tuple(
+            (kind, tensor_name, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+            for kind, tensors in (("param", submodule._parameters), ("buffer", submodule._buffers))
+            for tensor_name, tensor in tensors.items()
+            if tensor is not None
+        )
+        attributes = tuple(
+            (key, _plain_value(value))
+            for key, value in sorted(submodule.__dict__.items())
+            if key not in skipped and not key.startswith("_compile_shard")
+        )
+        signature.append((name, cls.__module__, cls.__qualname__, tensors, attributes))
+    return tuple(signature)
+
+
+def _tensor_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, _PLAIN):
+        return value
+    raise TypeError(f"not a tensor or a plain value: {type(value).__name__}")
+
+
+def _reuse_key(module: nn.Module, unsharded_params: list[torch.Tensor], args: tuple, kwargs: dict) -> int:
+    """Traced by Dynamo for every call; equal keys reuse one subgraph."""
+    state = module._compile_shard_state
+    return hash(
+        (
+            state.region_signature,
+            tuple(submodule.training for submodule in state.region_modules),
+            tuple(_tensor_key(tensor) for tensor in unsharded_params),
+            tuple(_tensor_key(arg) for arg in args),
+            tuple((name, _tensor_key(value)) for name, value in sorted(kwargs.items())),
+        )
+    )
+
+
+def _run_block(module: nn.Module, unsharded_params: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """The block's own forward, reading ``unsharded_params`` (the region's arguments) as its parameters.
+
+    The caller had shown these same tensors; the region shows them again on the way
+    out instead of the caller restoring them afterwards, because all of its Python
+    state writes must happen inside the region: Dynamo allows them there, also when
+    the block runs inside an activation-checkpoint region, which refuses any write.
+    """
+    fsdp_params = module._compile_shard_state.group.fsdp_params
+    with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
+        viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
+    for fsdp_param, tensor in zip(fsdp_params, viewed):
+        fsdp_param.to_unsharded(tensor)
+    output = module._user_forward(*args, **kwargs)
+    for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
+        fsdp_param.to_unsharded(tensor)
+    return output
+
+
+_block_region = (
+    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_reuse_key) if REGIONS_SUPPORTED else None
+)
+
+
+def accepts_region_call(args: tuple, kwargs: dict) -> bool:
+    """Whether a region can take these arguments: tensors and plain values only (Dynamo flattens them)."""
+    values = [*args, *kwargs.values()]
+    return all(isinstance(value, (torch.Tensor, *_PLAIN)) for value in values)
+
+
+def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Runs the sharded ``module``'s forward inside the shared region, during a trace."""
+    fsdp_params = module._compile_shard_state.group.fsdp_params
+    unsharded_params = [fsdp_param.unsharded_param for fsdp_param in fsdp_params]
+    return _block_region(module, unsharded_params, args, kwargs)

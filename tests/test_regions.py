@@ -1,0 +1,188 @@
+"""settings.compile_regions: each sharded block traced once as a nested compile region, reused by every block."""
+
+import operator
+
+import pytest
+import torch
+import torch._dynamo
+import torch.fx as fx
+import torch.nn as nn
+from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch.utils.checkpoint import CheckpointPolicy
+
+from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, block_signature
+from compile_shard.debug import dump_graphs, recompiles
+from compile_shard.dry_run import capture_step
+from compile_shard.models import LlamaConfig, TransformerBlock
+from compile_shard.passes import GraphInvariantError
+from compile_shard.passes.cost_model import compute_seconds, get_profile
+from compile_shard.passes.regions import forward_region_inputs, tag_region_parameters
+from compile_shard.passes.simulate import simulate_step
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
+from graph_utils import CapturingBackend, op_counts, pass_settings
+from test_compile import _compiled_matches_eager
+
+pytestmark = pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)")
+
+N_LAYERS = 3
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    yield
+    torch._dynamo.reset()
+
+
+def _compile_with_regions(world_size, tag_regions=True, block_reshard=None):
+    capture = CapturingBackend(min_cut=True, tag_regions=tag_regions)
+    with FakeProcessGroup(world_size), pass_settings(compile_regions=True):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS), block_reshard=block_reshard)
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        tokens = torch.randint(0, 1001, (2, 9))
+        for _ in range(2):
+            lm_loss(compiled, tokens).backward()
+    return model, capture
+
+
+def _region_calls(graph: fx.Graph) -> list[fx.Node]:
+    return graph.find_nodes(op="call_function", target=invoke_subgraph)
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
+    model, capture = _compile_with_regions(world_size)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+    (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
+    forward_regions = _region_calls(forward.graph)
+    assert len(forward_regions) == N_LAYERS
+    assert len({node.args[1] for node in forward_regions}) == 1  # one subgraph, stamped out per block
+    assert len(_region_calls(backward.graph)) == N_LAYERS
+    # The cost model charges a region what its nodes cost (the block's matmuls), not its bytes.
+    profile = get_profile("h100_nvlink")
+    region = getattr(forward, forward_regions[0].args[0].target)
+    inner = sum(compute_seconds(node, profile) for node in region.graph.nodes)
+    assert inner > 0 and compute_seconds(forward_regions[0], profile) == inner
+    # Resharding holds: backward gathers every block again, forward saves no gathered parameter.
+    assert op_counts(forward.graph)["all_gather"] == N_LAYERS + 1
+    assert op_counts(backward.graph)["all_gather"] == N_LAYERS
+    (output,) = forward.graph.find_nodes(op="output")
+    # The root is not resharded: shapes its parameters share with the blocks' say nothing.
+    block_only = {tuple(param.shape) for block in model.layers for param in block.parameters()} - {
+        tuple(param.shape) for name, param in model.named_parameters() if not name.startswith("layers.")
+    }
+    saved = {tuple(node.meta["val"].shape) for node in output.args[0] if isinstance(node, fx.Node)}
+    assert block_only and not saved & block_only, saved & block_only
+
+
+def test_graph_dumps_list_the_region_bodies(tmp_path):
+    with dump_graphs(tmp_path):
+        _compile_with_regions(2)
+    (forward,) = (tmp_path / "rank0").glob("graph_*/*_forward.txt")
+    listing = forward.read_text()
+    main, _, body = listing.partition("partitioned_fw_subgraph_0_0:\n")
+    assert "invoke_subgraph(partitioned_fw_subgraph_0_0, " in main
+    assert main.count("aten.mm.default") == 1  # the output projection; the blocks' matmuls are in the body
+    assert body.startswith("    ") and body.count("aten.mm.default") == 7
+
+
+def test_dry_run_capture_partitions_regions_like_inductor():
+    with FakeProcessGroup(8), pass_settings(compile_regions=True):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        tokens = torch.randint(0, 1001, (2, 9))
+        forward, backward = capture_step(model, lambda compiled: lm_loss(compiled, tokens))
+    assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == N_LAYERS
+    assert op_counts(backward.graph)["all_gather"] == N_LAYERS
+    simulation = simulate_step([forward.graph, backward.graph], get_profile("h100_nvlink"), world_size=8)
+    assert simulation.compute_seconds > 0
+
+
+def test_without_resharding_backward_reuses_the_gathered_parameters():
+    _, capture = _compile_with_regions(2, block_reshard=False)
+    assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == 0
+
+
+def test_an_untagged_region_partition_is_refused():
+    with pytest.raises(Exception, match="saves a view of its unsharded parameter"):
+        _compile_with_regions(2, tag_regions=False)
+
+
+@pytest.mark.parametrize("checkpoint_blocks", [False, True], ids=["plain", "checkpointed_blocks"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
+    """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
+    run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
+
+
+# Hand-built graphs ---------------------------------------------------------------------------
+
+
+def _annotated_view(graph: fx.Graph, source: fx.Node) -> fx.Node:
+    view = graph.call_function(torch.ops.aten.view.default, (source, [4, 4]))
+    view.meta["custom"] = {REGION_PARAM_ANNOTATION: True}
+    return view
+
+
+def _outer_graph_with_region(returns_view: bool) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
+    """forward region (weight, x) -> (x @ weight.t(), saved), a backward op reading ``saved``."""
+    region_graph = fx.Graph()
+    weight, x = region_graph.placeholder("weight"), region_graph.placeholder("x")
+    viewed = _annotated_view(region_graph, weight)
+    transposed = region_graph.call_function(torch.ops.aten.t.default, (viewed,))
+    out = region_graph.call_function(torch.ops.aten.mm.default, (x, transposed))
+    region_graph.output((out, transposed if returns_view else weight))
+    root = nn.Module()
+    root.region = fx.GraphModule(nn.Module(), region_graph)
+    graph = fx.Graph()
+    weight, x = graph.placeholder("weight"), graph.placeholder("x")
+    body = graph.get_attr("region")
+    call = graph.call_function(invoke_subgraph, (body, "region", weight, x))
+    out = graph.call_function(operator.getitem, (call, 0))
+    saved = graph.call_function(operator.getitem, (call, 1))
+    backward_read = graph.call_function(torch.ops.aten.mm.default, (out, saved))
+    graph.output((out, backward_read))
+    return fx.GraphModule(root, graph), weight, backward_read
+
+
+def test_forward_region_inputs_reads_the_argument_instead_of_the_returned_input():
+    module, weight, backward_read = _outer_graph_with_region(returns_view=False)
+    assert forward_region_inputs(module.graph) == 1
+    assert backward_read.args[1] is weight
+    module.graph.lint()
+
+
+def test_forward_region_inputs_refuses_a_saved_parameter_view():
+    module, _, _ = _outer_graph_with_region(returns_view=True)
+    with pytest.raises(GraphInvariantError, match="saves a view of its unsharded parameter"):
+        forward_region_inputs(module.graph)
+
+
+def test_tag_region_parameters_tags_the_parameter_chain_only():
+    graph = fx.Graph()
+    weight, x = graph.placeholder("weight"), graph.placeholder("x")
+    viewed = _annotated_view(graph, weight)
+    transposed = graph.call_function(torch.ops.aten.t.default, (viewed,))
+    out = graph.call_function(torch.ops.aten.mm.default, (x, transposed))
+    graph.output((out,))
+    assert tag_region_parameters(graph) == 1
+    assert {node.meta.get("recompute") for node in (viewed, transposed)} == {CheckpointPolicy.MUST_RECOMPUTE}
+    assert "recompute" not in out.meta and "recompute" not in x.meta
+
+
+# Reuse keys ----------------------------------------------------------------------------------
+
+
+def test_block_signature_equal_for_alike_blocks_and_different_otherwise():
+    config = LlamaConfig()
+    first, second = TransformerBlock(config), TransformerBlock(config)
+    assert block_signature(first) == block_signature(second)
+    wider = TransformerBlock(LlamaConfig(dim=128))
+    assert block_signature(wider) != block_signature(first)
+    second.attention.layer_id = 1  # state the forward may read
+    assert block_signature(second) != block_signature(first)
+    third = TransformerBlock(config)
+    third.feed_forward.register_forward_hook(lambda *_: None)
+    assert block_signature(third) != block_signature(first)
