@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --mode cs_compiled      # config B, 2 gloo ranks
     python benchmarks/profile_step.py --mode fsdp2_eager
     python benchmarks/profile_step.py --mode ddp_compiled --config A
+    python benchmarks/profile_step.py --mode cs_compiled_regions   # settings.compile_regions on
 
 Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
 it like ``train_bench.py`` does for the mode, runs two warm-up steps (compilation included) and profiles three
@@ -25,6 +26,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
+import compile_shard.passes
 from compile_shard import fully_shard
 from compile_shard.models import Llama
 from train_bench import CONFIGS
@@ -41,7 +43,8 @@ def _build(mode: str, config) -> torch.nn.Module:
     for block in model.layers:
         shard(block)
     shard(model)
-    return torch.compile(model) if mode == "cs_compiled" else model
+    compile_shard.passes.settings.compile_regions = mode == "cs_compiled_regions"
+    return torch.compile(model) if mode.startswith("cs_compiled") else model
 
 
 def _step(model, optimizer, tokens) -> None:
@@ -88,7 +91,7 @@ def _report(profiler, mode: str, top: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("cs_compiled", "cs_eager", "fsdp2_eager", "ddp_compiled"), default="cs_compiled")
+    parser.add_argument("--mode", choices=("cs_compiled", "cs_compiled_regions", "cs_eager", "fsdp2_eager", "ddp_compiled"), default="cs_compiled")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)

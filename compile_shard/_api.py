@@ -167,7 +167,7 @@ class FSDPModule:
         if state.compiles_as_region(args, kwargs):
             output = call_in_region(cast(nn.Module, self), args, kwargs)
         else:
-            output = super().forward(*args, **kwargs)  # type: ignore[misc]
+            output = self._user_forward(*args, **kwargs)
         return state.post_forward(output, shown)
 
     def _user_forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -15,12 +15,12 @@ suite schedules them.
 
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
-(see ``block_signature``) and the metadata of the call's arguments. Blocks with equal
-keys share one compiled subgraph. The key is conservative: anything the signature
-does not capture (a forward that reads a global, an attribute holding an arbitrary
-object) keeps blocks apart only through the object's identity, so two blocks that
-differ in such state and are otherwise alike would share a graph; turn regions off
-(``settings.compile_regions = False``) for such models.
+(see ``block_signature``), its modules' ``training`` flags and the metadata of the
+call's arguments. Blocks with equal keys share one compiled subgraph, traced from the
+first of them. The key sees the modules' own state; it cannot see what a forward
+reads outside them (a global, a closure) or inside a shared object that changes
+between the blocks' calls. Such models keep regions off (``settings.compile_regions =
+False``, the default).
 
 Backward must still gather again for resharded groups; [Note: region parameters are
 saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
@@ -146,9 +146,21 @@ _block_region = (
 
 
 def accepts_region_call(args: tuple, kwargs: dict) -> bool:
-    """Whether a region can take these arguments: tensors and plain values only (Dynamo flattens them)."""
-    values = [*args, *kwargs.values()]
-    return all(isinstance(value, (torch.Tensor, *_PLAIN)) for value in values)
+    """Whether a region can take these arguments: plain values and tensors of static shape.
+
+    Anything else runs the block inlined: a nested structure (the reuse key describes
+    leaves only), or symbolic sizes (a ``dynamic=True`` trace, or a recompile that
+    marked a size dynamic), where torch 2.13's region reuse fails inside Dynamo. The
+    size test reads ``__class__``: Dynamo answers ``isinstance(size, torch.SymInt)``
+    with False for symbolic sizes too.
+    """
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            if any(size.__class__ is not int for size in value.shape):
+                return False
+        elif not isinstance(value, _PLAIN):
+            return False
+    return True
 
 
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -114,6 +114,8 @@ def format_graph(graph: torch.fx.Graph) -> str:
             text = f"{names[node]}: {shape or 'input'}"
         elif node.op == "output":
             text = f"return {_format_arg(node.args[0], names)}"
+        elif node.op == "get_attr":
+            text = f"{names[node]} = get_attr({node.target!r})"
         else:
             typed_name = f"{names[node]}: {shape}" if shape else names[node]
             arguments = [_format_arg(arg, names) for arg in node.args]

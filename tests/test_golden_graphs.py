@@ -64,13 +64,15 @@ MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "reused_block": _reused_bl
 BUCKET_CAP_MB = {"mlp3_uneven": 0.001, "llama2_tied": 0.012, "reused_block": 0.01}
 
 
-def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None) -> str:
+def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None, compile_regions=False) -> str:
     """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
     capture = CapturingBackend()
     torch._dynamo.reset()
     # The schedule of a machine that overlaps communication (prefetch and reductions in
     # flight); on CPU the suite would default to none (``scheduled_depths``).
-    schedule_for = pass_settings(bucket_cap_mb=bucket_cap_mb, cost_profile="h100_nvlink")
+    schedule_for = pass_settings(
+        bucket_cap_mb=bucket_cap_mb, cost_profile="h100_nvlink", compile_regions=compile_regions
+    )
     with FakeProcessGroup(world_size), dump_graphs(dump_dir), schedule_for:
         torch.manual_seed(0)
         # One mesh object for the whole model: DTensor brings its DeviceMesh into the
@@ -111,3 +113,10 @@ def test_golden_graphs(model, world_size, reshard_after_forward, bucketed, tmp_p
     name += "_bucketed" if bucketed else ""
     cap = BUCKET_CAP_MB[model] if bucketed else None
     _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward, tmp_path, cap))
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_golden_graphs_with_compile_regions(world_size, tmp_path):
+    """settings.compile_regions: both blocks call one region, whose body follows each graph."""
+    name = f"llama2_tied_ws{world_size}_reshard_regions"
+    _assert_golden(name, _staged_graphs(_llama, world_size, True, tmp_path, compile_regions=True))

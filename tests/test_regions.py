@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch._dynamo.utils import clear_compilation_metrics, counters
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, block_signature
+from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig, TransformerBlock
@@ -98,6 +98,18 @@ def test_dry_run_capture_partitions_regions_like_inductor():
     assert op_counts(backward.graph)["all_gather"] == N_LAYERS
     simulation = simulate_step([forward.graph, backward.graph], get_profile("h100_nvlink"), world_size=8)
     assert simulation.compute_seconds > 0
+
+
+def test_dynamic_shapes_and_structured_arguments_run_the_block_inlined():
+    capture = CapturingBackend(min_cut=True)
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True, dynamic=True)
+        lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
+    assert not _region_calls(capture.forward_graphs[0].graph)
+    assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == N_LAYERS
+    assert accepts_region_call((torch.ones(2), 3, None), {"scale": 0.5})
+    assert not accepts_region_call(([torch.ones(2)],), {})
 
 
 def test_without_resharding_backward_reuses_the_gathered_parameters():
