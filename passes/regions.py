@@ -123,7 +123,8 @@ def forward_region_inputs(graph: fx.Graph) -> int:
                 raise GraphInvariantError(
                     f"compile region {region_call.args[1]!r} saves a view of its unsharded parameter for "
                     f"backward ({saved_views[index]}), which keeps every block's gathered parameters alive. "
-                    "Compile with the Inductor backend (its joint pre-pass marks the region's parameters) or "
-                    "set compile_shard.passes.settings.compile_regions = False"
+                    "Compile with the Inductor backend (its joint pre-pass marks the region's parameters), wrap "
+                    "a custom AOT backend's partitioner in compile_shard.passes.regions.with_region_tags, or set "
+                    "compile_shard.passes.settings.compile_regions = False"
                 )
     return moved
