@@ -14,13 +14,14 @@ from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, ac
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig, TransformerBlock
-from compile_shard.passes import GraphInvariantError
+from compile_shard.passes import GraphInvariantError, settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
 from compile_shard.passes.regions import forward_region_inputs, tag_region_parameters
 from compile_shard.passes.simulate import simulate_step
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
 from graph_utils import CapturingBackend, op_counts, pass_settings
 from test_compile import _compiled_matches_eager
+from test_parity import _reused_block_worker
 
 pytestmark = pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)")
 
@@ -127,6 +128,17 @@ def test_an_untagged_region_partition_is_refused():
 def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
     """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
     run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
+
+
+def _reused_block_with_regions(rank, world_size):
+    settings.compile_regions = True
+    capture = CapturingBackend(min_cut=True)
+    _reused_block_worker(rank, world_size, capture.backend)
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == 2
+
+
+def test_a_block_called_twice_per_forward_calls_its_region_twice_and_matches_the_reference():
+    run_gloo(_reused_block_with_regions, 2)
 
 
 # Hand-built graphs ---------------------------------------------------------------------------
