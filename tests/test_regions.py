@@ -130,6 +130,11 @@ def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
     run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
 
 
+def test_bucketed_regions_match_eager_on_gloo():
+    """One bucket for all blocks (gathered and reduced once), each block still its region."""
+    run_gloo(_compiled_matches_eager, 3, "inductor", False, 1000.0, True)
+
+
 def _reused_block_with_regions(rank, world_size):
     settings.compile_regions = True
     capture = CapturingBackend(min_cut=True)
