@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch._dynamo.utils import counters
 
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
@@ -17,14 +17,7 @@ from graph_utils import CapturingBackend, op_counts, pass_settings
 N_LAYERS = 2
 GROUPS = N_LAYERS + 1
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    clear_compilation_metrics()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _compile_and_step(

@@ -4,10 +4,9 @@ import operator
 
 import pytest
 import torch
-import torch._dynamo
 import torch.fx as fx
 import torch.nn as nn
-from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, accepts_region_call, block_signature
@@ -23,19 +22,13 @@ from graph_utils import CapturingBackend, op_counts, pass_settings
 from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
 
-pytestmark = pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)")
+pytestmark = [
+    pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)"),
+    pytest.mark.usefixtures("fresh_dynamo"),
+]
 
 N_LAYERS = 3
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    clear_compilation_metrics()
-    yield
-    torch._dynamo.reset()
 
 
 def _compile_with_regions(world_size, tag_regions=True, block_reshard=None):
