@@ -100,11 +100,10 @@ def block_signature(module: nn.Module) -> tuple:
 
 
 def _tensor_key(value: Any) -> Any:
+    """A tensor's metadata; a plain value (all else ``accepts_region_call`` rejects) as is."""
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
-    if isinstance(value, _PLAIN):
-        return value
-    raise TypeError(f"not a tensor or a plain value: {type(value).__name__}")
+    return value
 
 
 def _reuse_key(module: nn.Module, unsharded_params: list[torch.Tensor], args: tuple, kwargs: dict) -> int:

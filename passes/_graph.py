@@ -15,6 +15,7 @@ from compile_shard._group import GROUP_ANNOTATION
 
 fsdp = torch.ops.fsdp
 c10d = torch.ops._c10d_functional
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 # Metadata a replacement node inherits from the node it replaces: the partitioner's
 # recompute tags and compile_shard's group annotation.
@@ -24,6 +25,11 @@ INHERITED_META = ("custom", "recompute", "ac_graph_id", "seq_nr", "stack_trace",
 def group_annotation(node: fx.Node) -> dict[str, Any] | None:
     """The ``{"group": ..., "reshard_after_forward": ...}`` the runtime attached, if any."""
     return node.meta.get("custom", {}).get(GROUP_ANNOTATION)
+
+
+def region_module(call: fx.Node) -> fx.GraphModule:
+    """The subgraph an ``invoke_subgraph`` node calls (a compile region)."""
+    return getattr(call.graph.owning_module, call.args[0].target)
 
 
 def is_backward(graph: fx.Graph) -> bool:

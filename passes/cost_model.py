@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ._graph import c10d, fsdp
+from ._graph import c10d, fsdp, invoke_subgraph, region_module
 
 aten = torch.ops.aten
 
@@ -253,9 +253,8 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
     ``simulate``) and ``wait_tensor``. The matmul peak is the one of the first tensor
     input's dtype. A compile region (``invoke_subgraph``) costs what its nodes cost.
     """
-    if node.target is torch.ops.higher_order.invoke_subgraph:
-        region = getattr(node.graph.owning_module, node.args[0].target)
-        return sum(compute_seconds(inner, profile) for inner in region.graph.nodes)
+    if node.target is invoke_subgraph:
+        return sum(compute_seconds(inner, profile) for inner in region_module(node).graph.nodes)
     if (
         node.op != "call_function"
         or is_view(node)

@@ -32,16 +32,15 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._region import REGION_PARAM_ANNOTATION
 
+from ._graph import invoke_subgraph, region_module
 from .reshard import copy_out_chain
 from .verify import GraphInvariantError
 
-invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 # A recompute-region id apart from torch.utils.checkpoint's and from ``reshard``'s.
 _AC_GRAPH_ID = 2_000_000
 
@@ -83,10 +82,6 @@ def with_region_tags(partition_fn: Callable[..., Any]) -> Callable[..., Any]:
     return partition
 
 
-def _region_module(node: fx.Node) -> fx.GraphModule:
-    return getattr(node.graph.owning_module, node.args[0].target)
-
-
 def _saved_parameter_views(region: fx.GraphModule) -> dict[int, str]:
     """Output index -> name of the parameter view a forward region returns there."""
     (output,) = region.graph.find_nodes(op="output")
@@ -103,15 +98,18 @@ def forward_region_inputs(graph: fx.Graph) -> int:
     argument that the graph uses (its partition was not tagged).
     """
     moved = 0
+    regions: dict[str, tuple[list[fx.Node], tuple, dict[int, str]]] = {}
     for region_call in graph.find_nodes(op="call_function", target=invoke_subgraph):
         if _is_backward(region_call):
             continue
-        region = _region_module(region_call)
-        placeholders = list(region.graph.find_nodes(op="placeholder"))
-        (output,) = region.graph.find_nodes(op="output")
-        outputs = output.args[0]
+        name = region_call.args[1]
+        if name not in regions:  # every block calls the same region: inspect it once
+            region = region_module(region_call)
+            (output,) = region.graph.find_nodes(op="output")
+            placeholders = list(region.graph.find_nodes(op="placeholder"))
+            regions[name] = (placeholders, output.args[0], _saved_parameter_views(region))
+        placeholders, outputs, saved_views = regions[name]
         operands = region_call.args[2:]
-        saved_views = _saved_parameter_views(region)
         for user in list(region_call.users):
             if user.target is not operator.getitem or not user.users:
                 continue
@@ -121,7 +119,7 @@ def forward_region_inputs(graph: fx.Graph) -> int:
                 user.replace_all_uses_with(operands[placeholders.index(outputs[index])])
             elif index in saved_views:
                 raise GraphInvariantError(
-                    f"compile region {region_call.args[1]!r} saves a view of its unsharded parameter for "
+                    f"compile region {name!r} saves a view of its unsharded parameter for "
                     f"backward ({saved_views[index]}), which keeps every block's gathered parameters alive. "
                     "Compile with the Inductor backend (its joint pre-pass marks the region's parameters), wrap "
                     "a custom AOT backend's partitioner in compile_shard.passes.regions.with_region_tags, or set "
