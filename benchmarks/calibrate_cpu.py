@@ -13,8 +13,10 @@ numbers are averaged:
 - memory bandwidth: ``copy_`` of a 64 MiB tensor, counted as read + write;
 - per-op overhead: a 1-element ``aten.add.Tensor`` called through its OpOverload, as
   an FX graph calls it;
-- collectives: ``_c10d_functional.all_gather_into_tensor`` and ``reduce_scatter_tensor``
-  + ``wait_tensor`` at several sizes (4 KiB to 16 MiB), the median call on rank 0,
+- collectives: ``_c10d_functional.all_gather_into_tensor`` and the reduce-scatter as
+  compile_shard runs it on gloo, ``all_to_all_single`` ([Note: gloo reduce-scatter] in
+  ``compile_shard/ops.py``), + ``wait_tensor`` at several sizes (4 KiB to 16 MiB), the
+  median call on rank 0,
   then one fit of the cost model's ring formula
   ``t = (W-1) * latency + (W-1)/W * bytes / bandwidth`` over both, weighted by 1/t so
   that the small sizes pin the latency and the large ones the bandwidth.
@@ -86,9 +88,10 @@ def _time_collective(kind: str, nbytes: int, group_name: str) -> float:
 
     else:
         full = torch.ones(nbytes // 4)
+        split_sizes = [full.numel() // WORLD_SIZE] * WORLD_SIZE
 
         def run():
-            funcol.wait_tensor(funcol.reduce_scatter_tensor(full, "sum", WORLD_SIZE, group_name))
+            funcol.wait_tensor(funcol.all_to_all_single(full, split_sizes, split_sizes, group_name))
 
     calls = max(5, min(100, 2**24 // nbytes))
     run()

@@ -31,7 +31,9 @@ from compile_shard import fully_shard
 from compile_shard.models import Llama
 from train_bench import CONFIGS
 
-COMMUNICATION = ("c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "all_reduce")
+COMMUNICATION = (
+    "c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "all_reduce", "alltoall", "all_to_all"
+)
 
 
 def _build(mode: str, config) -> torch.nn.Module:

@@ -91,7 +91,7 @@ from compile_shard.debug import CollectiveCounter
 from compile_shard.models import Llama, LlamaConfig
 
 SCHEMA_VERSION = 1
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 OVERLAP_SETTINGS = ("bucket", "reorder")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, frozen: it no longer grows after frees
@@ -231,6 +231,7 @@ def _functional_collective_kinds() -> dict[object, str]:
         "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
         "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
         "all_reduce": ("all_reduce", "all_reduce_coalesced"),
+        "all_to_all": ("all_to_all_single",),
     }
     functional = torch.ops._c10d_functional
     return {getattr(functional, name): kind for kind, ops in names.items() for name in ops if hasattr(functional, name)}
@@ -770,7 +771,7 @@ def _cell(value: float | None, ratio: float | None, digits: int) -> str:
 
 def format_table(report: dict) -> str:
     """The printed summary: one row per mode, ratios to fsdp2_eager in parentheses."""
-    header = ["mode", "cold s", "median s", "min s", "peak MB", "step MB", "params MB", "AG", "RS", "AR"]
+    header = ["mode", "cold s", "median s", "min s", "peak MB", "step MB", "params MB", "AG", "RS", "AR", "A2A"]
     header += ["graphs/breaks/recompiles", "max |dloss|"]
     compile_fields = ("unique_graphs", "graph_breaks", "recompiles")
     if report["process_group"] == "fake":

@@ -36,6 +36,7 @@ def _collective_kinds() -> dict[object, str]:
             "_c10d_functional.reduce_scatter_tensor_coalesced",
         ],
         "all_reduce": ["c10d.allreduce_", "c10d.allreduce_coalesced_", "_c10d_functional.all_reduce"],
+        "all_to_all": ["c10d.alltoall_base_", "c10d.alltoall_", "_c10d_functional.all_to_all_single"],
     }
     table = {}
     for kind, names in kinds.items():
@@ -48,7 +49,7 @@ def _collective_kinds() -> dict[object, str]:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts collectives by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``).
+    """Counts collectives by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``).
 
     Sees compile_shard's ``fsdp`` ops and torch's own c10d ops alike, so the same
     counter measures compile_shard and torch FSDP2 on the same model.

@@ -278,20 +278,21 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
 class CollectiveInfo:
     """What the ring model needs to know about one collective node."""
 
-    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    kind: str  # "all_gather", "reduce_scatter", "all_reduce" or "all_to_all"
     world_size: int
-    #: The buffer the ring moves: an all-gather's output, a reduce-scatter's or all-reduce's input.
+    #: The buffer the ring moves: an all-gather's output, any other collective's input.
     bytes: int
     #: ``fsdp`` ops wait inside the op; ``_c10d_functional`` ones return before the data is there.
     synchronous: bool
 
 
-# op -> (kind, index of the group size argument or None, synchronous)
+# op -> (kind, index of the group size argument, or of a list as long as the group, or None; synchronous)
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: ("all_gather", 1, False),
     c10d.all_gather_into_tensor_out.default: ("all_gather", 1, False),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
     c10d.all_reduce.default: ("all_reduce", None, False),
+    c10d.all_to_all_single.default: ("all_to_all", 1, False),
     fsdp.all_gather_into.default: ("all_gather", 2, True),
     fsdp.reduce_scatter_grad.default: ("reduce_scatter", 1, True),
 }
@@ -322,7 +323,8 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
         return None
     kind, size_index, synchronous = _COLLECTIVES[node.target]
     if size_index is not None:
-        size = _int(node.args[size_index])
+        size_arg = node.args[size_index]
+        size = len(size_arg) if isinstance(size_arg, (list, tuple)) else _int(size_arg)
     else:
         size = _group_size(node.args[2]) or world_size
         if size is None:
@@ -336,6 +338,8 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
 
 def collective_seconds(node: fx.Node, profile: HardwareProfile, world_size: int | None = None) -> float:
     """Ring time of a collective: ``(W-1)/W * bytes / bus bandwidth + (W-1) * latency``, twice for all_reduce.
+
+    An all-to-all of equal splits moves what a reduce-scatter of the same input moves.
 
     Accepts the ``_c10d_functional`` collectives and, for joint graphs before
     ``lower``, ``fsdp.all_gather_into`` / ``fsdp.reduce_scatter_grad`` (their copy-in

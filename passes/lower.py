@@ -4,9 +4,10 @@ Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` 
 op would reach it as an opaque synchronous fallback. After this pass the copy-in
 (flatten, pad, concatenate) and the averaging division are plain aten ops that
 Inductor fuses, and the collectives are the ones it understands. On gloo a gradient
-reduction becomes an all-reduce and a slice ([Note: gloo reduce-scatter]). Every new node
-inherits the replaced node's metadata (group annotation, recompute tags), so the
-partitioner treats the lowered chain exactly as the ``fsdp`` node it replaces.
+reduction becomes an all-to-all and a sum ([Note: gloo reduce-scatter] in
+``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
+annotation, recompute tags), so the partitioner treats the lowered chain exactly as
+the ``fsdp`` node it replaces.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils.checkpoint import CheckpointPolicy
+
+from compile_shard.ops import reduces_by_all_to_all
 
 from ._graph import NodeInserter, c10d, fsdp
 
@@ -51,47 +52,28 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-def all_reduce_shard_index(group_name: str, device: torch.device) -> int | None:
-    """This process's shard index if the group reduces gradients by all-reduce (gloo), else ``None``.
-
-    ``None`` (a reduce-scatter) also for a group that is not live in this process, as
-    in graphs built by hand.
-
-    [Note: gloo reduce-scatter]
-    gloo runs ``reduce_scatter_tensor`` as a clone of the whole unsharded gradient,
-    an all-reduce of the clone and a copy of the local shard out of it (measured on
-    torch 2.13: one block-sized ``aten::clone`` per reduce-scatter). Lowered as a
-    functional ``all_reduce`` instead, the clone is Inductor's own buffer (fused with
-    the gradient copy-in, reused from group to group), and the shard is sliced out by
-    the division's kernel. The sums are gloo's all-reduce either way, so the numbers
-    stay bitwise those of eager mode.
-    """
-    if not dist.is_initialized():
-        return None
-    try:
-        group = _resolve_process_group(group_name)
-    except RuntimeError:  # a graph built by hand, or for another process: no live group to ask
-        return None
-    return dist.get_rank(group) if group._get_backend(device).name() == "gloo" else None
-
-
 def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
     unsharded_grad, world_size, group_name, *rest = node.args
     reduce_op = rest[0] if rest else node.kwargs.get("reduce_op", "avg")
     insert = NodeInserter(graph, node, node)
-    shard_index = all_reduce_shard_index(group_name, unsharded_grad.meta["val"].device)
     shard_numel = node.meta["val"].numel()
-    if shard_index is not None and is_concrete_int(shard_numel):
-        reduced = insert(c10d.all_reduce.default, unsharded_grad, "sum", group_name)
-        start = shard_index * int(shard_numel)
-        sharded_grad = insert(aten.slice.Tensor, insert(c10d.wait_tensor.default, reduced), 0, start, start + shard_numel)
+    if reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
+        split_sizes = [int(shard_numel)] * world_size
+        if unsharded_grad.meta["val"].dim() != 1:
+            unsharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])
+        received = insert(c10d.all_to_all_single.default, unsharded_grad, split_sizes, split_sizes, group_name)
+        received = insert(aten.view.default, insert(c10d.wait_tensor.default, received), [world_size, int(shard_numel)])
+        # The same additions, in the same order, as the eager kernel's sum_received_shards.
+        sharded_grad = insert(aten.select.int, received, 0, 0)
+        for rank in range(1, world_size):
+            sharded_grad = insert(aten.add.Tensor, sharded_grad, insert(aten.select.int, received, 0, rank))
     else:
         reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, "sum", world_size, group_name)
         sharded_grad = insert(c10d.wait_tensor.default, reduced)
     if reduce_op == "avg":
         sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
-    elif sharded_grad.target is aten.slice.Tensor:
-        sharded_grad = insert(aten.clone.default, sharded_grad)  # not a view that keeps the whole sum alive
+    elif sharded_grad.target is aten.select.int:  # one rank: not a view of the received buffer
+        sharded_grad = insert(aten.clone.default, sharded_grad)
     node.replace_all_uses_with(sharded_grad)
     graph.erase_node(node)
 

@@ -39,9 +39,9 @@ from .bucket import members
 from .reshard import chain_readers, copy_out_chain
 
 _GATHER = (c10d.all_gather_into_tensor.default,)
-# A gradient reduction is a reduce-scatter, or an all-reduce where the backend has no
-# reduce-scatter (see [Note: gloo reduce-scatter] in ``lower``).
-_REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+# A gradient reduction is a reduce-scatter, or an all-to-all where the backend has no
+# reduce-scatter (see [Note: gloo reduce-scatter] in ``compile_shard.ops``).
+_REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
 
 
 @dataclass

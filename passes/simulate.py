@@ -121,7 +121,7 @@ class Simulation:
         everything else scores 0 here.
         """
         gathers = [record for record in self.collectives if record.kind == "all_gather"]
-        scatters = [record for record in self.collectives if record.kind == "reduce_scatter"]
+        scatters = [record for record in self.collectives if record.kind in ("reduce_scatter", "all_to_all")]
         unavoidable = [gathers[0]] if gathers else []
         unavoidable += [scatters[-1]] if scatters else []
         return sum(

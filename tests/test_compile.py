@@ -133,8 +133,8 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     if backend == "scheduled" and bucket_cap_mb:
         # The blocks share one bucket; the root (no resharding) cannot join them.
         assert op_counts(capture.forward_graphs[0].graph)["all_gather"] == 2
-        # On gloo a reduction is an all-reduce ([Note: gloo reduce-scatter]).
-        assert op_counts(capture.backward_graphs[0].graph)["all_reduce"] == 2
+        # On gloo a reduction is an all-to-all ([Note: gloo reduce-scatter]).
+        assert op_counts(capture.backward_graphs[0].graph)["all_to_all"] == 2
 
 
 @pytest.mark.parametrize(

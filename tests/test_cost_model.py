@@ -12,6 +12,7 @@ from compile_shard.passes._graph import fake_value
 from compile_shard.passes.cost_model import (
     PROFILES,
     HardwareProfile,
+    collective_info,
     collective_seconds,
     compute_seconds,
     get_profile,
@@ -183,6 +184,18 @@ def test_all_reduce_is_two_reduce_scatters_with_the_group_size_from_its_process_
     assert collective_seconds(all_reduce, PROFILE, world_size=2) == pytest.approx(2 * (0.5 * 8192 / 1e9 + 1e-5))
     with pytest.raises(ValueError, match="pass world_size"):
         collective_seconds(all_reduce, PROFILE)
+
+
+def test_all_to_all_moves_what_a_reduce_scatter_of_the_same_input_moves():
+    def exchange(x):
+        return c10d.wait_tensor(c10d.all_to_all_single(x, [512] * 4, [512] * 4, "0"))
+
+    graph_module = trace(exchange, torch.randn(2048))
+    info = collective_info(_node(graph_module, c10d.all_to_all_single.default))
+    assert (info.kind, info.world_size, info.bytes) == ("all_to_all", 4, 8192)
+    assert collective_seconds(_node(graph_module, c10d.all_to_all_single.default), PROFILE) == pytest.approx(
+        3 / 4 * 8192 / 1e9 + 3 * 1e-5
+    )
 
 
 def test_fsdp_ops_are_estimated_like_their_lowering():

@@ -6,8 +6,12 @@ steps match it within 1e-6 at world size 2 and within 5e-6 at world size 3: the
 gradient is reduced in a different order than the reference's single matmul (per-rank
 means, then a sum across ranks), and AdamW's normalization m / sqrt(v) turns that last-
 bit difference into a visible one for entries whose gradient is close to zero. torch's
-own FSDP2 shows the identical deviation; compile_shard is checked to be bit-identical
-to torch FSDP2 on the same wrapping, which is the exactness claim.
+own FSDP2 shows the same deviation. At world size 2 compile_shard is checked to be
+bit-identical to torch FSDP2 on the same wrapping, which is the exactness claim. At 3
+ranks the two add the ranks' gradients in different orders (compile_shard in rank
+order, gloo's ring all-reduce under FSDP2's reduce-scatter in its own; [Note: gloo
+reduce-scatter] in compile_shard/ops.py), so they differ like each differs from the
+reference.
 """
 
 import copy
@@ -24,6 +28,7 @@ STEPS = 5
 BATCH_PER_RANK = 2
 SEQ = 16
 PARAM_TOLERANCE = {2: 1e-6, 3: 5e-6}
+TORCH_FSDP2_TOLERANCE = {2: 0.0, 3: 5e-6}  # 0.0: bitwise
 
 
 def _train_step(model, optimizer, tokens):
@@ -46,7 +51,7 @@ def _parity_worker(rank, world_size, checkpoint_blocks, block_reshard, root_resh
         tokens = global_batch(step, world_size, BATCH_PER_RANK, SEQ, config.vocab_size)
         loss, torch_loss = (_train_step(m, opt, tokens[local]) for m, opt in zip(models[:2], optimizers[:2]))
         reference_loss = _train_step(reference, optimizers[2], tokens)
-        assert torch.equal(loss, torch_loss), (step, loss, torch_loss)
+        torch.testing.assert_close(loss, torch_loss, rtol=0, atol=TORCH_FSDP2_TOLERANCE[world_size], msg=str(step))
         dist.all_reduce(loss)
         torch.testing.assert_close(loss / world_size, reference_loss, rtol=0, atol=1e-6)
 
@@ -56,7 +61,8 @@ def _parity_worker(rank, world_size, checkpoint_blocks, block_reshard, root_resh
         names, model.parameters(), torch_fsdp.parameters(), reference.parameters()
     ):
         full = param.full_tensor()
-        assert torch.equal(full, torch_param.full_tensor()), f"{name} differs from torch FSDP2"
+        torch_full = torch_param.full_tensor()
+        torch.testing.assert_close(full, torch_full, rtol=0, atol=TORCH_FSDP2_TOLERANCE[world_size], msg=name)
         torch.testing.assert_close(full, reference_param, rtol=0, atol=PARAM_TOLERANCE[world_size], msg=name)
 
 

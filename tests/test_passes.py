@@ -170,24 +170,36 @@ def test_lower_reduce_scatter(reduce_op, divides):
     assert any(n.target is aten.div.Tensor for n in graph_module.graph.nodes) == divides
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])
-def test_lower_reduce_scatter_on_gloo_all_reduces_and_slices_this_ranks_shard(reduce_op, monkeypatch):
-    monkeypatch.setattr(importlib.import_module("compile_shard.passes.lower"), "all_reduce_shard_index", lambda *_: 1)
+def test_lower_reduce_scatter_on_gloo_exchanges_shards_and_adds_them_in_rank_order(reduce_op, world_size, monkeypatch):
+    monkeypatch.setattr(importlib.import_module("compile_shard.passes.lower"), "reduces_by_all_to_all", lambda *_: True)
 
     def fn(grad):
-        return torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, reduce_op)
+        return torch.ops.fsdp.reduce_scatter_grad(grad, world_size, GROUP, reduce_op)
 
-    graph_module = trace(fn, torch.randn(8))
+    graph_module = trace(fn, torch.randn(4 * world_size))
     assert lower(graph_module.graph) == 1
-    assert op_counts(graph_module.graph) == {"all_reduce": 1, "wait": 1}
-    (reduction,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_reduce.default)
-    assert reduction.args[1:] == ("sum", GROUP)
-    (wait,) = reduction.users
-    (shard,) = wait.users
-    assert shard.target is aten.slice.Tensor and shard.args[1:] == (0, 4, 8)  # rank 1's half
-    (result,) = shard.users
-    # The result is its own 4-element tensor, never a view that keeps the whole sum alive.
-    assert result.target is (aten.div.Tensor if reduce_op == "avg" else aten.clone.default)
+    assert op_counts(graph_module.graph) == {"all_to_all": 1, "wait": 1}
+    (exchange,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
+    assert exchange.args[1:] == ([4] * world_size, [4] * world_size, GROUP)
+    (wait,) = exchange.users
+    (received,) = wait.users
+    assert received.meta["val"].shape == (world_size, 4)
+    shards = sorted(received.users, key=lambda node: node.args[2])
+    assert [(node.target, node.args[1:]) for node in shards] == [(aten.select.int, (0, r)) for r in range(world_size)]
+    # Rank 0's shard first, then one addition per rank: the eager kernel's order.
+    total = shards[0]
+    for shard in shards[1:]:
+        (total,) = total.users
+        assert total.target is aten.add.Tensor and total.args == (total.args[0], shard)
+    (result,) = graph_module.graph.find_nodes(op="output")[0].all_input_nodes
+    if reduce_op == "avg":
+        assert result.target is aten.div.Tensor and result.args == (total, world_size)
+    elif world_size == 1:  # its own tensor, never a view that keeps the received buffer alive
+        assert result.target is aten.clone.default and result.args == (total,)
+    else:
+        assert result is total
     assert result.meta["val"].shape == (4,)
     verify(graph_module.graph)
 
@@ -214,10 +226,13 @@ def _gloo_lowering_computes_the_same(rank, world_size):
     lower(graph_module.graph)
     graph_module.recompile()
     actual = graph_module(shard, grad)
-    # gloo has no reduce-scatter of its own: the lowering all-reduces and slices ([Note: gloo reduce-scatter]).
-    assert op_counts(graph_module.graph) == {"all_gather": 1, "all_reduce": 1, "wait": 2}
-    for a, e in zip(actual, expected):
+    # gloo has no reduce-scatter of its own: the lowering exchanges shards and adds them ([Note: gloo reduce-scatter]).
+    assert op_counts(graph_module.graph) == {"all_gather": 1, "all_to_all": 1, "wait": 2}
+    for a, e in zip(actual, expected):  # the eager kernels add in the same order
         assert torch.equal(a, e)
+    by_gloo = torch.empty(4)
+    dist.reduce_scatter_tensor(by_gloo, grad)
+    torch.testing.assert_close(actual[1], by_gloo / world_size, rtol=0, atol=1e-6)
 
 
 def make_fx_real(fn, *args):

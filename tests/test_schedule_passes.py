@@ -279,12 +279,12 @@ def _backward_like(g_a, g_b, g_c, x):
     return grads
 
 
-@pytest.mark.parametrize("by_all_reduce", [False, True], ids=["reduce_scatter", "all_reduce"])
-def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_all_reduce, monkeypatch):
-    # On gloo, lower reduces gradients with an all-reduce (see [Note: gloo reduce-scatter]).
+@pytest.mark.parametrize("by_all_to_all", [False, True], ids=["reduce_scatter", "all_to_all"])
+def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_all_to_all, monkeypatch):
+    # On gloo, lower reduces gradients with an all-to-all (see [Note: gloo reduce-scatter]).
     lower_module = importlib.import_module("compile_shard.passes.lower")
-    monkeypatch.setattr(lower_module, "all_reduce_shard_index", lambda *_: 0 if by_all_reduce else None)
-    reduction = c10d.all_reduce.default if by_all_reduce else c10d.reduce_scatter_tensor.default
+    monkeypatch.setattr(lower_module, "reduces_by_all_to_all", lambda *_: by_all_to_all)
+    reduction = c10d.all_to_all_single.default if by_all_to_all else c10d.reduce_scatter_tensor.default
     graph_module = trace(_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
     graph = graph_module.graph
     _annotate_reductions(graph, ["c", "b", "a"])

@@ -78,7 +78,7 @@ def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
         assert len(result["losses"]) == 1 + SMOKE_WARMUP + SMOKE_STEPS + 1  # cold, warm-up, timed, counting step
         assert len(result["peak_memory_mb"]) == len(result["param_memory_mb"]) == result["processes"]
         assert all(isinstance(mb, float) for mb in result["peak_memory_mb"] + result["step_peak_memory_mb"]), name
-        assert set(result["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert set(result["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
         assert result["collectives_equal_on_all_ranks"]
         assert set(result["ratios"]) == RATIO_FIELDS
         for field in TIME_FIELDS:
@@ -107,15 +107,16 @@ def test_gloo_collectives_per_step(gloo_report):
     modes = gloo_report["modes"]
     assert modes["cs_eager"]["collectives"] == modes["fsdp2_eager"]["collectives"]
     # 2 blocks and the root gather in forward, the blocks again in backward; one reduce-scatter per group.
-    assert modes["fsdp2_eager"]["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
+    expected = {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
+    assert modes["fsdp2_eager"]["collectives"] == expected
     compiled = modes["cs_compiled"]
     assert compiled["collectives"] == compiled["graph_collectives"]
-    # The same all-gathers; on gloo each group's reduce-scatter is lowered as an all-reduce
-    # ([Note: gloo reduce-scatter] in passes/lower.py).
-    assert compiled["collectives"] == {"all_gather": 5, "reduce_scatter": 0, "all_reduce": 3}
+    # The same all-gathers; on gloo each group's reduce-scatter is lowered as an all-to-all
+    # ([Note: gloo reduce-scatter] in compile_shard/ops.py).
+    assert compiled["collectives"] == {"all_gather": 5, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 3}
     assert modes["ddp"]["collectives"]["all_reduce"] >= 1
     assert modes["ddp"]["collectives"]["all_gather"] == modes["ddp"]["collectives"]["reduce_scatter"] == 0
-    assert modes["reference"]["collectives"] == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    assert not any(modes["reference"]["collectives"].values())
 
 
 def test_gloo_compiled_mode_is_one_graph(gloo_report):
@@ -131,7 +132,7 @@ def test_fake_process_group_report(fake_report):
     compiled, eager = fake_report["modes"]["cs_compiled"], fake_report["modes"]["fsdp2_eager"]
     assert compiled["processes"] == eager["processes"] == 1
     assert compiled["max_loss_diff"] is None and eager["max_loss_diff"] is None
-    assert eager["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
+    assert eager["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
     simulation = compiled["simulation"]
     assert simulation["profile"] == fake_report["cost_profile"] == "h100_nvlink"
     assert simulation["communication_s"] > 0
