@@ -817,7 +817,7 @@ def _describe(report: dict) -> str:
 
 
 def _notes(report: dict) -> list[str]:
-    notes = ["AG/RS/AR: all-gathers, reduce-scatters, all-reduces per step"]
+    notes = ["AG/RS/AR/A2A: all-gathers, reduce-scatters, all-reduces, all-to-alls per step"]
     if report["process_group"] == "fake":
         notes.append("losses not compared: the fake process group moves no data")
         notes.append(
