@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.library import Library
 
-__all__ = ["all_gather_into", "reduce_scatter_grad", "set_", "resize_storage_"]
+__all__ = ["all_gather_into", "reduce_scatter_grad", "sum_shards", "set_", "resize_storage_"]
 
 _lib = Library("fsdp", "FRAGMENT")  # torch.distributed.fsdp owns other fsdp:: names
 
@@ -34,6 +34,7 @@ _lib.define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
     "str reduce_op='avg') -> Tensor"
 )
+_lib.define("sum_shards(Tensor received, SymInt world_size, str reduce_op='avg') -> Tensor")
 _lib.define("set_(Tensor(a!) tensor, Tensor source) -> ()")
 # [Note: resize_storage_ schema]
 # The schema carries no alias annotation on purpose. A storage resize has no
@@ -104,15 +105,22 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
 # reduce_scatter_grad -----------------------------------------------------------------
 
 
-def _check_reduce_op(reduce_op: str) -> None:
+def _check_reduce_op(op_name: str, reduce_op: str) -> None:
     torch._check(
         reduce_op in _REDUCE_OPS,
-        lambda: f"fsdp::reduce_scatter_grad: reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}",
+        lambda: f"fsdp::{op_name}: reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}",
+    )
+
+
+def _check_divisible(op_name: str, tensor: torch.Tensor, world_size) -> None:
+    torch._check(
+        tensor.numel() % world_size == 0,
+        lambda: f"fsdp::{op_name}: numel {tensor.numel()} is not divisible by world size {world_size}",
     )
 
 
 def reduces_by_all_to_all(group_name: str, device: torch.device) -> bool:
-    """Whether the group reduce-scatters gradients as an all-to-all and a local sum (gloo).
+    """Whether the group reduce-scatters gradients as an all-to-all and ``fsdp::sum_shards`` (gloo).
 
     ``False`` also for a group that is not live in this process, as in graphs built by
     hand: those keep ``reduce_scatter_tensor``.
@@ -123,12 +131,17 @@ def reduces_by_all_to_all(group_name: str, device: torch.device) -> bool:
     (torch 2.13), so it moves twice a reduce-scatter's bytes and copies the gradient
     twice. On gloo the runtime and the ``lower`` pass reduce-scatter as an all-to-all
     instead: rank r receives every rank's r-th shard, (W-1)/W of the gradient like a
-    real reduce-scatter, and adds them (``sum_received_shards``). Measured with 2 gloo
-    ranks on the 2-core CI machine: 3.0 ms against 10.0 ms (reduce-scatter) and 6.3 ms
-    (all-reduce) for 0.8M floats, 66 against 155 and 70 ms for 12.6M floats. Eager and
-    compiled graphs add the shards in the same order, rank 0 first, so their numbers
-    are bitwise equal; gloo's ring all-reduce adds in another order, which for W >= 3
-    can differ in the last bit.
+    real reduce-scatter, and ``fsdp::sum_shards`` adds them. Measured with 2 gloo ranks
+    on the 2-core CI machine: 3.0 ms against 10.0 ms (reduce-scatter) and 6.3 ms
+    (all-reduce) for 0.8M floats, 66 against 155 and 70 ms for 12.6M floats.
+
+    The sum is an op of its own, opaque to Inductor, on purpose: written as aten adds,
+    Inductor fused every group's sum into one kernel at the end of the backward and
+    kept every group's received buffer alive until then (config B: 589 instead of 304
+    MiB per step). As an op it runs right after its wait, and eager and compiled runs
+    share one kernel, so their sums are bitwise equal. gloo's ring all-reduce (under
+    torch FSDP2's reduce-scatter) adds in another order, which for W >= 3 can differ in
+    the last bit.
     """
     if not torch.distributed.is_initialized():
         return False
@@ -139,39 +152,24 @@ def reduces_by_all_to_all(group_name: str, device: torch.device) -> bool:
     return group._get_backend(device).name() == "gloo"
 
 
-def sum_received_shards(received: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Adds the ``world_size`` shards an all-to-all received, rank 0 first ([Note: gloo reduce-scatter])."""
-    shards = received.view(world_size, -1)
-    sharded_grad = shards[0].clone()
-    for rank in range(1, world_size):
-        sharded_grad += shards[rank]
-    return sharded_grad
-
-
 def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg"):
-    _check_reduce_op(reduce_op)
-    # Reduce with a sum and divide after: gloo has no AVG, and NCCL's pre/post-divide
-    # choice belongs to the reduce-dtype work of mixed precision.
+    _check_reduce_op("reduce_scatter_grad", reduce_op)
+    funcol = torch.ops._c10d_functional
     if reduces_by_all_to_all(group_name, unsharded_grad.device):
         split_sizes = [unsharded_grad.numel() // world_size] * world_size
-        received = torch.ops._c10d_functional.all_to_all_single(
-            unsharded_grad.reshape(-1), split_sizes, split_sizes, group_name
-        )
-        sharded_grad = sum_received_shards(torch.ops._c10d_functional.wait_tensor(received), world_size)
-    else:
-        sharded_grad = torch.ops._c10d_functional.reduce_scatter_tensor(unsharded_grad, "sum", world_size, group_name)
-        sharded_grad = torch.ops._c10d_functional.wait_tensor(sharded_grad)
+        received = funcol.all_to_all_single(unsharded_grad.reshape(-1), split_sizes, split_sizes, group_name)
+        return torch.ops.fsdp.sum_shards(funcol.wait_tensor(received), world_size, reduce_op)
+    # Reduce with a sum and divide after: gloo has no AVG, and NCCL's pre/post-divide
+    # choice belongs to the reduce-dtype work of mixed precision.
+    sharded_grad = funcol.wait_tensor(funcol.reduce_scatter_tensor(unsharded_grad, "sum", world_size, group_name))
     if reduce_op == "avg":
         sharded_grad = sharded_grad.div_(world_size)
     return sharded_grad
 
 
 def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg"):
-    _check_reduce_op(reduce_op)
-    torch._check(
-        unsharded_grad.numel() % world_size == 0,
-        lambda: f"fsdp::reduce_scatter_grad: numel {unsharded_grad.numel()} is not divisible by world size {world_size}",
-    )
+    _check_reduce_op("reduce_scatter_grad", reduce_op)
+    _check_divisible("reduce_scatter_grad", unsharded_grad, world_size)
     return unsharded_grad.new_empty(unsharded_grad.numel() // world_size)
 
 
@@ -186,6 +184,28 @@ def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
     if ctx.reduce_op == "avg":
         gathered = gathered / ctx.world_size
     return gathered, None, None, None
+
+
+# sum_shards --------------------------------------------------------------------------
+# Adds the world_size equal shards of a flat buffer in rank order ([Note: gloo reduce-scatter]).
+
+
+def _sum_shards_kernel(received, world_size, reduce_op="avg"):
+    _check_reduce_op("sum_shards", reduce_op)
+    _check_divisible("sum_shards", received, world_size)
+    shards = received.view(world_size, -1)
+    sharded_grad = shards[0].clone()
+    for rank in range(1, world_size):
+        sharded_grad += shards[rank]
+    if reduce_op == "avg":
+        sharded_grad.div_(world_size)
+    return sharded_grad
+
+
+def _sum_shards_meta(received, world_size, reduce_op="avg"):
+    _check_reduce_op("sum_shards", reduce_op)
+    _check_divisible("sum_shards", received, world_size)
+    return received.new_empty(received.numel() // world_size)
 
 
 # set_ --------------------------------------------------------------------------------
@@ -225,10 +245,12 @@ def _resize_storage_functionalize(tensor, nbytes):
 for _key in _BACKEND_KEYS:
     _lib.impl("all_gather_into", _all_gather_into_kernel, _key)
     _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_kernel, _key)
+    _lib.impl("sum_shards", _sum_shards_kernel, _key)
     _lib.impl("set_", _set_kernel, _key)
     _lib.impl("resize_storage_", _resize_storage_kernel, _key)
 _lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
 _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_meta, "Meta")
+_lib.impl("sum_shards", _sum_shards_meta, "Meta")
 _lib.impl("set_", _set_kernel, "Meta")
 _lib.impl("resize_storage_", _resize_storage_meta, "Meta")
 _lib.impl("set_", _set_functionalize, "Functionalize")
@@ -236,6 +258,7 @@ _lib.impl("resize_storage_", _resize_storage_functionalize, "Functionalize")
 
 torch.library.register_fake("fsdp::all_gather_into", _all_gather_into_meta, lib=_lib)
 torch.library.register_fake("fsdp::reduce_scatter_grad", _reduce_scatter_grad_meta, lib=_lib)
+torch.library.register_fake("fsdp::sum_shards", _sum_shards_meta, lib=_lib)
 torch.library.register_fake("fsdp::resize_storage_", _resize_storage_meta, lib=_lib)
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
@@ -249,5 +272,6 @@ torch.library.register_autograd(
 
 all_gather_into = torch.ops.fsdp.all_gather_into.default
 reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
+sum_shards = torch.ops.fsdp.sum_shards.default
 set_ = torch.ops.fsdp.set_.default
 resize_storage_ = torch.ops.fsdp.resize_storage_.default

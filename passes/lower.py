@@ -4,8 +4,8 @@ Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` 
 op would reach it as an opaque synchronous fallback. After this pass the copy-in
 (flatten, pad, concatenate) and the averaging division are plain aten ops that
 Inductor fuses, and the collectives are the ones it understands. On gloo a gradient
-reduction becomes an all-to-all and a sum ([Note: gloo reduce-scatter] in
-``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
+reduction becomes an all-to-all and ``fsdp.sum_shards`` ([Note: gloo reduce-scatter]
+in ``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
 annotation, recompute tags), so the partitioner treats the lowered chain exactly as
 the ``fsdp`` node it replaces.
 """
@@ -62,18 +62,12 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         if unsharded_grad.meta["val"].dim() != 1:
             unsharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])
         received = insert(c10d.all_to_all_single.default, unsharded_grad, split_sizes, split_sizes, group_name)
-        received = insert(aten.view.default, insert(c10d.wait_tensor.default, received), [world_size, int(shard_numel)])
-        # The same additions, in the same order, as the eager kernel's sum_received_shards.
-        sharded_grad = insert(aten.select.int, received, 0, 0)
-        for rank in range(1, world_size):
-            sharded_grad = insert(aten.add.Tensor, sharded_grad, insert(aten.select.int, received, 0, rank))
+        sharded_grad = insert(fsdp.sum_shards.default, insert(c10d.wait_tensor.default, received), world_size, reduce_op)
     else:
         reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, "sum", world_size, group_name)
         sharded_grad = insert(c10d.wait_tensor.default, reduced)
-    if reduce_op == "avg":
-        sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
-    elif sharded_grad.target is aten.select.int:  # one rank: not a view of the received buffer
-        sharded_grad = insert(aten.clone.default, sharded_grad)
+        if reduce_op == "avg":
+            sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
     node.replace_all_uses_with(sharded_grad)
     graph.erase_node(node)
 

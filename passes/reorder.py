@@ -18,7 +18,7 @@ wait and copy-out stay right before its first reader. A group's
 prefetching group's wait. A reduce unit is issued as soon as its last gradient is
 computed; its wait goes right after the next ``reduce_scatter_depth``-th reduce unit
 is issued (the last ones at the end), so that many reductions are in flight while
-backward computes. All of it is one priority-ordered topological sort
+backward computes, and the division (or sum) that reads the wait follows it at once. All of it is one priority-ordered topological sort
 (``reorder_by_priority``), so data dependencies always win over the schedule.
 
 Each issued-but-unwaited all-gather holds a group's unsharded parameters: a deeper
@@ -136,7 +136,19 @@ def _reduce_priorities(graph, position, depth: int) -> dict[fx.Node, float]:
         for node in [*copy_in[id(unit)], unit.collective]:
             priority[node] = ready_at[id(unit)]
         priority[unit.wait] = ready_at[id(units[j + depth])] + 0.75 if j + depth < len(units) else end
+        for node in _reduced(unit):
+            priority[node] = priority[unit.wait]
     return priority
+
+
+def _reduced(unit: _Unit) -> list[fx.Node]:
+    """The group's nodes that read the reduction's wait: the division, or ``fsdp.sum_shards`` on gloo.
+
+    The partitioner leaves them where the gradients are returned, at the end of the
+    backward, which would keep every group's unsharded reduction buffer alive until
+    then; right after the wait, each frees its buffer before the next group reduces.
+    """
+    return [user for user in unit.wait.users if group_annotation(user) is not None]
 
 
 def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int = 1) -> int:

@@ -35,6 +35,7 @@ def op_counts(graph: fx.Graph) -> Counter:
     names = {
         fsdp.all_gather_into.default: "fsdp.all_gather_into",
         fsdp.reduce_scatter_grad.default: "fsdp.reduce_scatter_grad",
+        fsdp.sum_shards.default: "fsdp.sum_shards",
         fsdp.set_.default: "fsdp.set_",
         fsdp.resize_storage_.default: "fsdp.resize_storage_",
         c10d.all_gather_into_tensor.default: "all_gather",

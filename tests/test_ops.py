@@ -34,6 +34,26 @@ def test_opcheck_reduce_scatter_grad(fake_pg, reduce_op):
     opcheck(torch.ops.fsdp.reduce_scatter_grad.default, (torch.randn(10, requires_grad=True), 2, fake_pg, reduce_op))
 
 
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_opcheck_sum_shards(reduce_op):
+    opcheck(torch.ops.fsdp.sum_shards.default, (torch.randn(12), 3, reduce_op))
+
+
+@pytest.mark.parametrize("reduce_op, divisor", [("avg", 3.0), ("sum", 1.0)])
+def test_sum_shards_adds_equal_shards_in_rank_order(reduce_op, divisor):
+    received = torch.randn(12)
+    shards = received.view(3, 4)
+    expected = (shards[0] + shards[1] + shards[2]) / divisor  # rank 0 first: bitwise, not just close
+    assert torch.equal(torch.ops.fsdp.sum_shards(received, 3, reduce_op), expected)
+
+
+def test_sum_shards_rejects_uneven_buffers_and_unknown_reductions():
+    with pytest.raises(RuntimeError, match="fsdp::sum_shards: numel 10 is not divisible by world size 3"):
+        torch.ops.fsdp.sum_shards(torch.randn(10), 3)
+    with pytest.raises(RuntimeError, match="fsdp::sum_shards: reduce_op must be one of"):
+        torch.ops.fsdp.sum_shards(torch.randn(9), 3, "max")
+
+
 def test_opcheck_set_():
     opcheck(torch.ops.fsdp.set_.default, (torch.randn(4), torch.randn(2, 3)))
 

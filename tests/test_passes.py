@@ -170,37 +170,25 @@ def test_lower_reduce_scatter(reduce_op, divides):
     assert any(n.target is aten.div.Tensor for n in graph_module.graph.nodes) == divides
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])
-def test_lower_reduce_scatter_on_gloo_exchanges_shards_and_adds_them_in_rank_order(reduce_op, world_size, monkeypatch):
+def test_lower_reduce_scatter_on_gloo_exchanges_shards_and_sums_them(reduce_op, monkeypatch):
     monkeypatch.setattr(importlib.import_module("compile_shard.passes.lower"), "reduces_by_all_to_all", lambda *_: True)
 
     def fn(grad):
-        return torch.ops.fsdp.reduce_scatter_grad(grad, world_size, GROUP, reduce_op)
+        return torch.ops.fsdp.reduce_scatter_grad(grad, 3, GROUP, reduce_op)
 
-    graph_module = trace(fn, torch.randn(4 * world_size))
+    graph_module = trace(fn, torch.randn(2, 6))
     assert lower(graph_module.graph) == 1
-    assert op_counts(graph_module.graph) == {"all_to_all": 1, "wait": 1}
+    assert op_counts(graph_module.graph) == {"all_to_all": 1, "wait": 1, "fsdp.sum_shards": 1}
     (exchange,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
-    assert exchange.args[1:] == ([4] * world_size, [4] * world_size, GROUP)
+    assert exchange.args[0].target is aten.reshape.default  # a 2-D gradient is flattened first
+    assert exchange.args[1:] == ([4, 4, 4], [4, 4, 4], GROUP)
     (wait,) = exchange.users
-    (received,) = wait.users
-    assert received.meta["val"].shape == (world_size, 4)
-    shards = sorted(received.users, key=lambda node: node.args[2])
-    assert [(node.target, node.args[1:]) for node in shards] == [(aten.select.int, (0, r)) for r in range(world_size)]
-    # Rank 0's shard first, then one addition per rank: the eager kernel's order.
-    total = shards[0]
-    for shard in shards[1:]:
-        (total,) = total.users
-        assert total.target is aten.add.Tensor and total.args == (total.args[0], shard)
-    (result,) = graph_module.graph.find_nodes(op="output")[0].all_input_nodes
-    if reduce_op == "avg":
-        assert result.target is aten.div.Tensor and result.args == (total, world_size)
-    elif world_size == 1:  # its own tensor, never a view that keeps the received buffer alive
-        assert result.target is aten.clone.default and result.args == (total,)
-    else:
-        assert result is total
-    assert result.meta["val"].shape == (4,)
+    (total,) = wait.users
+    # One opaque op after the wait, the division included: see [Note: gloo reduce-scatter].
+    assert total.target is fsdp.sum_shards.default and total.args == (wait, 3, reduce_op)
+    assert total.meta["val"].shape == (4,)
+    assert graph_module.graph.find_nodes(op="output")[0].all_input_nodes == [total]
     verify(graph_module.graph)
 
 
@@ -227,8 +215,8 @@ def _gloo_lowering_computes_the_same(rank, world_size):
     graph_module.recompile()
     actual = graph_module(shard, grad)
     # gloo has no reduce-scatter of its own: the lowering exchanges shards and adds them ([Note: gloo reduce-scatter]).
-    assert op_counts(graph_module.graph) == {"all_gather": 1, "all_to_all": 1, "wait": 2}
-    for a, e in zip(actual, expected):  # the eager kernels add in the same order
+    assert op_counts(graph_module.graph) == {"all_gather": 1, "all_to_all": 1, "wait": 2, "fsdp.sum_shards": 1}
+    for a, e in zip(actual, expected):  # eager and lowered reductions share fsdp.sum_shards
         assert torch.equal(a, e)
     by_gloo = torch.empty(4)
     dist.reduce_scatter_tensor(by_gloo, grad)

@@ -308,6 +308,10 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_
     assert issues[0] < tanhs[1] and issues[1] < tanhs[2]
     assert issues[1] < waits[0] < issues[2] < waits[1]
     assert waits[2] > tanhs[2]
+    # The division (gloo: fsdp.sum_shards) follows its wait at once and frees the reduction's buffer.
+    for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
+        (reduced,) = wait.users
+        assert reduced.prev is wait, (wait.name, reduced.name)
 
 
 def test_schedule_leaves_graphs_without_annotated_collectives_alone():
