@@ -135,13 +135,14 @@ def reduces_by_all_to_all(group_name: str, device: torch.device) -> bool:
     on the 2-core CI machine: 3.0 ms against 10.0 ms (reduce-scatter) and 6.3 ms
     (all-reduce) for 0.8M floats, 66 against 155 and 70 ms for 12.6M floats.
 
-    The sum is an op of its own, opaque to Inductor, on purpose: written as aten adds,
-    Inductor fused every group's sum into one kernel at the end of the backward and
-    kept every group's received buffer alive until then (config B: 589 instead of 304
-    MiB per step). As an op it runs right after its wait, and eager and compiled runs
-    share one kernel, so their sums are bitwise equal. gloo's ring all-reduce (under
-    torch FSDP2's reduce-scatter) adds in another order, which for W >= 3 can differ in
-    the last bit.
+    The sum is an op of its own, opaque to Inductor, on purpose: written as aten adds
+    (which the partitioner places where the gradients are returned), Inductor fused
+    every group's sum into one kernel at the end of the backward and kept every group's
+    received buffer alive until then (config B: 589 instead of 304 MiB per step). As an
+    op it is never fused with another group's, ``reorder`` runs it right after its wait,
+    and eager and compiled runs share its kernel, so their sums are bitwise equal.
+    gloo's ring all-reduce (under torch FSDP2's reduce-scatter) adds in another order,
+    which for W >= 3 can differ in the last bit.
     """
     if not torch.distributed.is_initialized():
         return False

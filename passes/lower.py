@@ -4,8 +4,8 @@ Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` 
 op would reach it as an opaque synchronous fallback. After this pass the copy-in
 (flatten, pad, concatenate) and the averaging division are plain aten ops that
 Inductor fuses, and the collectives are the ones it understands. On gloo a gradient
-reduction becomes an all-to-all and ``fsdp.sum_shards`` ([Note: gloo reduce-scatter]
-in ``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
+reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and averages
+([Note: gloo reduce-scatter] in ``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
 annotation, recompute tags), so the partitioner treats the lowered chain exactly as
 the ``fsdp`` node it replaces.
 """

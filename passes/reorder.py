@@ -18,8 +18,9 @@ wait and copy-out stay right before its first reader. A group's
 prefetching group's wait. A reduce unit is issued as soon as its last gradient is
 computed; its wait goes right after the next ``reduce_scatter_depth``-th reduce unit
 is issued (the last ones at the end), so that many reductions are in flight while
-backward computes, and the division (or sum) that reads the wait follows it at once. All of it is one priority-ordered topological sort
-(``reorder_by_priority``), so data dependencies always win over the schedule.
+backward computes; the division (or sum) that reads the wait follows it at once. All
+of it is one priority-ordered topological sort (``reorder_by_priority``), so data
+dependencies always win over the schedule.
 
 Each issued-but-unwaited all-gather holds a group's unsharded parameters: a deeper
 prefetch costs one group's unsharded size per step of depth. With a memory budget,
