@@ -93,7 +93,8 @@ def _report(profiler, mode: str, top: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("cs_compiled", "cs_compiled_regions", "cs_eager", "fsdp2_eager", "ddp_compiled"), default="cs_compiled")
+    modes = ("cs_compiled", "cs_compiled_regions", "cs_eager", "fsdp2_eager", "ddp_compiled")
+    parser.add_argument("--mode", choices=modes, default="cs_compiled")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)

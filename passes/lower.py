@@ -62,7 +62,8 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         if unsharded_grad.meta["val"].dim() != 1:
             unsharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])
         received = insert(c10d.all_to_all_single.default, unsharded_grad, split_sizes, split_sizes, group_name)
-        sharded_grad = insert(fsdp.sum_shards.default, insert(c10d.wait_tensor.default, received), world_size, reduce_op)
+        received = insert(c10d.wait_tensor.default, received)
+        sharded_grad = insert(fsdp.sum_shards.default, received, world_size, reduce_op)
     else:
         reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, "sum", world_size, group_name)
         sharded_grad = insert(c10d.wait_tensor.default, reduced)

@@ -4,7 +4,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-
+# torch reads OMP_NUM_THREADS when it is imported: only now.
 import pytest
 import torch._dynamo
 from torch._dynamo.utils import clear_compilation_metrics, counters
