@@ -226,7 +226,11 @@ def _switch_off_overlap_passes() -> list[str]:
 
 
 def _functional_collective_kinds() -> dict[object, str]:
-    """``_c10d_functional`` collectives by kind: what compiled graphs hold after the suite's ``lower`` pass."""
+    """Collectives by kind as compiled graphs hold them after the suite: ``_c10d_functional`` ones and gloo's gather.
+
+    On gloo, ``gather_buffers`` turns each all-gather into ``fsdp.all_gather_send_recv_``
+    ([Note: gloo all-gather] in ``compile_shard.ops``).
+    """
     names = {
         "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
         "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
@@ -234,7 +238,9 @@ def _functional_collective_kinds() -> dict[object, str]:
         "all_to_all": ("all_to_all_single",),
     }
     functional = torch.ops._c10d_functional
-    return {getattr(functional, name): kind for kind, ops in names.items() for name in ops if hasattr(functional, name)}
+    kinds = {getattr(functional, name): kind for kind, ops in names.items() for name in ops if hasattr(functional, name)}
+    kinds[torch.ops.fsdp.all_gather_send_recv_] = "all_gather"
+    return kinds
 
 
 class GraphRecorder:

@@ -20,6 +20,7 @@ def _collective_kinds() -> dict[object, str]:
     kinds = {
         "all_gather": [
             "fsdp.all_gather_into",
+            "fsdp.all_gather_send_recv_",
             "c10d._allgather_base_",
             "c10d.allgather_",
             "c10d.allgather_into_tensor_coalesced_",

@@ -27,6 +27,15 @@ def group_annotation(node: fx.Node) -> dict[str, Any] | None:
     return node.meta.get("custom", {}).get(GROUP_ANNOTATION)
 
 
+def waited_node(collective: fx.Node) -> fx.Node:
+    """The node a ``wait_tensor`` reads to wait for ``collective``.
+
+    A collective's own result, except for ``fsdp.all_gather_send_recv_``, which fills
+    its first argument in place and returns nothing (see ``gather_buffers``).
+    """
+    return collective.args[0] if collective.target is fsdp.all_gather_send_recv_.default else collective
+
+
 def region_module(call: fx.Node) -> fx.GraphModule:
     """The subgraph an ``invoke_subgraph`` node calls (a compile region)."""
     return getattr(call.graph.owning_module, call.args[0].target)

@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ._graph import c10d, fsdp, invoke_subgraph, region_module
+from ._graph import c10d, fsdp, invoke_subgraph, region_module, waited_node
 
 aten = torch.ops.aten
 
@@ -290,6 +290,7 @@ class CollectiveInfo:
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: ("all_gather", 1, False),
     c10d.all_gather_into_tensor_out.default: ("all_gather", 1, False),
+    fsdp.all_gather_send_recv_.default: ("all_gather", 2, False),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
     c10d.all_reduce.default: ("all_reduce", None, False),
     c10d.all_to_all_single.default: ("all_to_all", 1, False),
@@ -332,7 +333,7 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
                 f"{node.name}: no process group {node.args[2]!r} in this process to take the all_reduce's "
                 f"world size from; pass world_size"
             )
-    buffer = node.meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
+    buffer = waited_node(node).meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
     return CollectiveInfo(kind, size, tensor_bytes(buffer), synchronous)
 
 

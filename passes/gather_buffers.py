@@ -18,6 +18,10 @@ right after the real wait. At run time it waits on nothing (no collective produc
 that tensor); to Inductor it is a read that keeps the input alive until the
 transfer is complete.
 
+On gloo the gather is ``fsdp.all_gather_send_recv_(buffer, input, ...)`` instead,
+which receives straight into the planned buffer ([Note: gloo all-gather] in
+``compile_shard.ops``); its input needs the same second wait, as its sends read it.
+
 Runs on the partitioned graphs for Inductor only, after ``reorder``: other backends
 run the graph eagerly and have no planner to hand buffers to.
 """
@@ -28,24 +32,32 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ._graph import NodeInserter, c10d
+from compile_shard.ops import gathers_by_send_recv
+
+from ._graph import NodeInserter, c10d, fsdp
 
 aten = torch.ops.aten
 
 
 def gather_into_planned_buffers(graph: fx.Graph) -> int:
-    """Rewrites each functional all-gather into ``new_empty`` + ``all_gather_into_tensor_out``; returns how many."""
+    """Rewrites each functional all-gather into ``new_empty`` + an out-variant gather; returns how many."""
     rewritten = 0
     for gather in list(graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)):
         output = gather.meta["val"]
         if not all(is_concrete_int(size) for size in output.shape):
             continue  # dynamic shapes: no fixed-size buffer to plan
         insert = NodeInserter(graph, gather, gather)
-        buffer = insert(aten.new_empty.default, gather.args[0], list(output.shape))
-        gather_out = insert(c10d.all_gather_into_tensor_out.default, *gather.args, out=buffer)
-        gather.replace_all_uses_with(gather_out)
+        all_gather_input, _, group_name = gather.args
+        buffer = insert(aten.new_empty.default, all_gather_input, list(output.shape))
+        if gathers_by_send_recv(group_name, output.device):
+            insert(fsdp.all_gather_send_recv_.default, buffer, *gather.args)
+            waited = buffer
+        else:
+            waited = insert(c10d.all_gather_into_tensor_out.default, *gather.args, out=buffer)
+        waits = list(gather.users)
+        gather.replace_all_uses_with(waited)
         graph.erase_node(gather)
-        for wait in list(gather_out.users):
-            NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, gather_out.args[0])
+        for wait in waits:
+            NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, all_gather_input)
         rewritten += 1
     return rewritten

@@ -12,9 +12,10 @@ Time
 - A ``_c10d_functional`` collective costs no compute time: when the compute lane
   reaches it, it is issued to a FIFO communication lane, ``start = max(issue time,
   end of the collective before it)``, ``end = start + collective_seconds``.
-- ``wait_tensor`` advances the compute lane to ``max(now, end)`` of its collective;
-  the stall is exposed communication, charged to that collective. A collective that
-  no wait reads is waited at the output node.
+- ``wait_tensor`` advances the compute lane to ``max(now, end)`` of its collective
+  (the one whose ``waited_node`` it reads); the stall is exposed communication,
+  charged to that collective. A collective that no wait reads is waited at the
+  output node.
 - ``fsdp.all_gather_into`` / ``fsdp.reduce_scatter_grad`` (a joint graph before
   ``lower``) wait inside the op: issued and waited at the same node, fully exposed.
   So does every collective on a profile whose communication cannot overlap compute
@@ -50,7 +51,7 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from ._graph import c10d, group_annotation
+from ._graph import c10d, group_annotation, waited_node
 from .cost_model import (
     HardwareProfile,
     collective_info,
@@ -163,11 +164,12 @@ class _Memory:
         inputs = [node for node in nodes if node.op in ("placeholder", "get_attr")]
         pinned = set(inputs)
         last_read = {}
+        collective_of = {waited_node(node): node for node in nodes if is_collective(node)}
         for index, node in enumerate(nodes):
             last_read.setdefault(self.buffer[node], index)
             reads = list(node.all_input_nodes)
-            if node.target is c10d.wait_tensor.default and is_collective(node.args[0]):
-                reads += node.args[0].all_input_nodes
+            if node.target is c10d.wait_tensor.default and node.args[0] in collective_of:
+                reads += collective_of[node.args[0]].all_input_nodes
             for read in reads:
                 last_read[self.buffer[read]] = index
             if node.op == "output":
@@ -242,7 +244,7 @@ def _replay(
             if info.synchronous or not profile.overlaps_communication:
                 wait(record, node)
             else:
-                in_flight[node] = record
+                in_flight[waited_node(node)] = record
         elif node.target is c10d.wait_tensor.default and node.args[0] in in_flight:
             wait(in_flight.pop(node.args[0]), node)
         elif node.op == "output":

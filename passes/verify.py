@@ -1,8 +1,9 @@
 """verify: check the invariants the other passes rely on, after any of them.
 
 - the graph is well formed and topologically ordered (``Graph.lint``);
-- every ``_c10d_functional`` collective is waited on exactly once, and only the wait
-  reads it, so nothing uses a collective's buffer before it is complete;
+- every ``_c10d_functional`` collective (and gloo's in-place gather) is waited on
+  exactly once, and only the wait reads it (``waited_node``), so nothing uses a
+  collective's buffer before it is complete;
 - no storage mutation is left (``fsdp.set_``, ``fsdp.resize_storage_``, ``aten.set_``,
   ``inductor.resize_storage_bytes_``);
 - in a forward graph: no resharded group's gathered parameter is saved for backward.
@@ -13,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ._graph import c10d, fsdp, group_annotation
+from ._graph import c10d, fsdp, group_annotation, waited_node
 from .place import gathered_nodes
 from .reshard import copy_out_chain
 
 _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
     c10d.all_gather_into_tensor_out.default,
+    fsdp.all_gather_send_recv_.default,
     c10d.reduce_scatter_tensor.default,
     c10d.all_reduce.default,
     c10d.all_to_all_single.default,
@@ -48,7 +50,7 @@ def verify(graph: fx.Graph) -> None:
         if node.target in _MUTATIONS:
             raise GraphInvariantError(f"storage mutation left in the graph: {node.format_node()}")
         if node.target in _COLLECTIVES:
-            users = list(node.users)
+            users = [user for user in waited_node(node).users if user is not node]
             waits = [user for user in users if user.target is c10d.wait_tensor.default]
             if len(waits) != 1 or len(users) != 1:
                 raise GraphInvariantError(

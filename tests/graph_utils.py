@@ -40,6 +40,7 @@ def op_counts(graph: fx.Graph) -> Counter:
         fsdp.resize_storage_.default: "fsdp.resize_storage_",
         c10d.all_gather_into_tensor.default: "all_gather",
         c10d.all_gather_into_tensor_out.default: "all_gather_out",
+        fsdp.all_gather_send_recv_.default: "all_gather_send_recv_",
         c10d.reduce_scatter_tensor.default: "reduce_scatter",
         c10d.all_reduce.default: "all_reduce",
         c10d.all_to_all_single.default: "all_to_all",

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
@@ -109,6 +110,13 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     # as Inductor's post-grad hook runs it; aot_eager itself has no such hook.
     capture = CapturingBackend(min_cut=True)
     compiled_backend = capture.backend if backend == "scheduled" else backend
+    lowered_graphs = []
+    if backend == "inductor":  # a post-grad pass after the suite's sees the graphs Inductor lowers
+        inductor_config = torch._inductor.config
+        installed = get_custom_graph_passes(inductor_config.post_grad_custom_post_pass)
+        inductor_config.post_grad_custom_post_pass = [*installed, lambda graph: lowered_graphs.append(op_counts(graph))]
+        inductor_config.fx_graph_cache = False  # a cache hit would skip the pass
+        torch._functorch.config.enable_autograd_cache = False
     compiled = torch.compile(compiled_model, backend=compiled_backend, fullgraph=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (compiled_model, eager_model)]
     # Inductor fuses and reorders fp32 arithmetic; AdamW turns last-bit differences of
@@ -130,6 +138,10 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
         torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=param_atol)
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
     assert not counters["graph_break"] and recompiles() == 0
+    for counts in lowered_graphs:
+        # On gloo every all-gather receives into Inductor's buffer ([Note: gloo all-gather]).
+        assert counts["all_gather_send_recv_"] > 0 and not counts["all_gather_out"], counts
+    assert len(lowered_graphs) == (2 if backend == "inductor" else 0)
     if backend == "scheduled" and bucket_cap_mb:
         # The blocks share one bucket; the root (no resharding) cannot join them.
         assert op_counts(capture.forward_graphs[0].graph)["all_gather"] == 2

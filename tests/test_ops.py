@@ -150,3 +150,34 @@ def _gloo_kernels(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collective_kernels_on_gloo(world_size):
     run_gloo(_gloo_kernels, world_size)
+
+
+def _gloo_send_recv_gathers(rank, world_size):
+    group_name = dist.group.WORLD.group_name
+    funcol = torch.ops._c10d_functional
+    inputs = [torch.randn(5) + rank, torch.randn(1000) - rank]
+    outputs = [torch.full((world_size * x.numel(),), float("nan")) for x in inputs]
+    # Both gathers in flight before either is waited on: each takes its own tag.
+    for output, all_gather_input in zip(outputs, inputs):
+        torch.ops.fsdp.all_gather_send_recv_(output, all_gather_input, world_size, group_name)
+    for output in reversed(outputs):
+        funcol.wait_tensor(output)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+    for output, all_gather_input in zip(outputs, inputs):
+        expected = torch.empty_like(output)
+        dist.all_gather_into_tensor(expected, all_gather_input)
+        assert torch.equal(output, expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_send_recv_matches_all_gather_on_gloo(world_size):
+    run_gloo(_gloo_send_recv_gathers, world_size)
+
+
+def test_all_gather_send_recv_rejects_a_wrong_output():
+    with pytest.raises(RuntimeError, match="fsdp::all_gather_send_recv_: needs a contiguous input and a contiguous "):
+        torch.ops.fsdp.all_gather_send_recv_(torch.empty(7, device="meta"), torch.empty(3, device="meta"), 2, "0")
+    with pytest.raises(RuntimeError, match="output is torch.float16, the input torch.float32"):
+        torch.ops.fsdp.all_gather_send_recv_(
+            torch.empty(6, device="meta", dtype=torch.float16), torch.empty(3, device="meta"), 2, "0"
+        )

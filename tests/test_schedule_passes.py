@@ -21,7 +21,7 @@ from compile_shard.passes import (
 )
 from compile_shard.passes.cost_model import get_profile
 from compile_shard.passes.simulate import simulate
-from compile_shard.passes._graph import reorder_by_priority
+from compile_shard.passes._graph import reorder_by_priority, waited_node
 from dist_utils import FakeProcessGroup, run_gloo
 from graph_utils import c10d, fsdp, trace
 
@@ -372,7 +372,10 @@ def fake_group():
 # gather_buffers ----------------------------------------------------------------------
 
 
-def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the_same_memory():
+@pytest.mark.parametrize("send_recv", [False, True], ids=["all_gather_out", "gloo_send_recv"])
+def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the_same_memory(monkeypatch, send_recv):
+    gather_buffers_module = importlib.import_module("compile_shard.passes.gather_buffers")
+    monkeypatch.setattr(gather_buffers_module, "gathers_by_send_recv", lambda *_: send_recv)
     graph_module = _traced()
     graph = graph_module.graph
     lower(graph)
@@ -381,13 +384,24 @@ def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the
     assert gather_into_planned_buffers(graph) == 3
     verify(graph)
     assert not graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-    for gather in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default):
-        buffer = gather.kwargs["out"]
-        assert buffer.target is aten.new_empty.default and buffer.meta["val"].shape == gather.meta["val"].shape
-        (wait,) = gather.users
+    if send_recv:  # gloo ([Note: gloo all-gather]): fills its first argument, returns nothing
+        gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_send_recv_.default)
+        buffers = [gather.args[0] for gather in gathers]
+        inputs = [gather.args[1] for gather in gathers]
+        assert not graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default)
+    else:
+        gathers = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_out.default)
+        buffers = [gather.kwargs["out"] for gather in gathers]
+        inputs = [gather.args[0] for gather in gathers]
+    assert len(gathers) == 3
+    for gather, buffer, all_gather_input in zip(gathers, buffers, inputs):
+        assert buffer.target is aten.new_empty.default
+        assert list(buffer.meta["val"].shape) == [WORLD * all_gather_input.meta["val"].numel()]
+        (wait,) = [user for user in waited_node(gather).users if user is not gather]
+        assert wait.target is c10d.wait_tensor.default
         # Right after the real wait, a wait on the copy-in keeps it alive for Inductor's planner.
-        assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (gather.args[0],)
-    # The simulator sees the same schedule and the same memory: the out= result is its buffer.
+        assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (all_gather_input,)
+    # The simulator sees the same schedule and the same memory: the gather's result is its buffer.
     after = simulate(graph, get_profile("h100_nvlink"))
     assert after.peak_memory_bytes == before.peak_memory_bytes
     assert after.step_seconds == pytest.approx(before.step_seconds)
