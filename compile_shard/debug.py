@@ -37,7 +37,12 @@ def _collective_kinds() -> dict[object, str]:
             "_c10d_functional.reduce_scatter_tensor_coalesced",
         ],
         "all_reduce": ["c10d.allreduce_", "c10d.allreduce_coalesced_", "_c10d_functional.all_reduce"],
-        "all_to_all": ["c10d.alltoall_base_", "c10d.alltoall_", "_c10d_functional.all_to_all_single"],
+        "all_to_all": [
+            "fsdp.all_to_all_into_",
+            "c10d.alltoall_base_",
+            "c10d.alltoall_",
+            "_c10d_functional.all_to_all_single",
+        ],
     }
     table = {}
     for kind, names in kinds.items():

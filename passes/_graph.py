@@ -30,10 +30,12 @@ def group_annotation(node: fx.Node) -> dict[str, Any] | None:
 def waited_node(collective: fx.Node) -> fx.Node:
     """The node a ``wait_tensor`` reads to wait for ``collective``.
 
-    A collective's own result, except for ``fsdp.all_gather_send_recv_``, which fills
-    its first argument in place and returns nothing (see ``gather_buffers``).
+    A collective's own result, except for ``fsdp.all_gather_send_recv_`` and
+    ``fsdp.all_to_all_into_``, which fill their first argument in place and return
+    nothing (see ``gather_buffers``).
     """
-    return collective.args[0] if collective.target is fsdp.all_gather_send_recv_.default else collective
+    in_place = (fsdp.all_gather_send_recv_.default, fsdp.all_to_all_into_.default)
+    return collective.args[0] if collective.target in in_place else collective
 
 
 def region_module(call: fx.Node) -> fx.GraphModule:

@@ -294,6 +294,7 @@ _COLLECTIVES = {
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
     c10d.all_reduce.default: ("all_reduce", None, False),
     c10d.all_to_all_single.default: ("all_to_all", 1, False),
+    fsdp.all_to_all_into_.default: ("all_to_all", 2, False),
     fsdp.all_gather_into.default: ("all_gather", 2, True),
     fsdp.reduce_scatter_grad.default: ("reduce_scatter", 1, True),
 }

@@ -1,4 +1,4 @@
-"""gather_buffers: all-gathers write into buffers Inductor allocates, so its memory planner reuses them.
+"""gather_buffers: all-gathers (and gloo's reduction all-to-alls) write into buffers Inductor allocates.
 
 [Note: planned all-gather buffers]
 A functional ``all_gather_into_tensor`` allocates its output inside the collective,
@@ -20,7 +20,11 @@ transfer is complete.
 
 On gloo the gather is ``fsdp.all_gather_send_recv_(buffer, input, ...)`` instead,
 which receives straight into the planned buffer ([Note: gloo all-gather] in
-``compile_shard.ops``); its input needs the same second wait, as its sends read it.
+``compile_shard.ops``), and a reduction's all-to-all of equal splits ([Note: gloo
+reduce-scatter]) becomes ``fsdp.all_to_all_into_(buffer, gradient, ...)``: the same
+page faults, once per group in backward. Both fill their first argument and return
+nothing, so their waits read the buffer (``waited_node``); their inputs get the
+same second wait.
 
 Runs on the partitioned graphs for Inductor only, after ``reorder``: other backends
 run the graph eagerly and have no planner to hand buffers to.
@@ -32,32 +36,53 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from compile_shard.ops import gathers_by_send_recv
+from compile_shard.ops import gathers_by_send_recv, reduces_by_all_to_all
 
 from ._graph import NodeInserter, c10d, fsdp
 
 aten = torch.ops.aten
 
 
+def _equal_splits(exchange: fx.Node) -> bool:
+    _, output_split_sizes, input_split_sizes, _ = exchange.args
+    sizes = [*output_split_sizes, *input_split_sizes]
+    return all(is_concrete_int(size) for size in sizes) and len(set(sizes)) == 1
+
+
+def _rewrite(graph: fx.Graph, collective: fx.Node, collective_input: fx.Node, out_variant, *args) -> None:
+    """Replaces ``collective`` by ``new_empty`` and ``out_variant`` into it; a second wait keeps the input alive."""
+    insert = NodeInserter(graph, collective, collective)
+    buffer = insert(aten.new_empty.default, collective_input, list(collective.meta["val"].shape))
+    if out_variant is c10d.all_gather_into_tensor_out.default:
+        waited = insert(out_variant, *args, out=buffer)
+    else:  # the fsdp ops fill their first argument and return nothing
+        insert(out_variant, buffer, *args)
+        waited = buffer
+    waits = list(collective.users)
+    collective.replace_all_uses_with(waited)
+    graph.erase_node(collective)
+    for wait in waits:
+        NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, collective_input)
+
+
 def gather_into_planned_buffers(graph: fx.Graph) -> int:
-    """Rewrites each functional all-gather into ``new_empty`` + an out-variant gather; returns how many."""
+    """Gives each all-gather (and gloo all-to-all) a buffer Inductor allocates; returns how many it rewrote."""
     rewritten = 0
     for gather in list(graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)):
         output = gather.meta["val"]
         if not all(is_concrete_int(size) for size in output.shape):
             continue  # dynamic shapes: no fixed-size buffer to plan
-        insert = NodeInserter(graph, gather, gather)
         all_gather_input, _, group_name = gather.args
-        buffer = insert(aten.new_empty.default, all_gather_input, list(output.shape))
         if gathers_by_send_recv(group_name, output.device):
-            insert(fsdp.all_gather_send_recv_.default, buffer, *gather.args)
-            waited = buffer
+            _rewrite(graph, gather, all_gather_input, fsdp.all_gather_send_recv_.default, *gather.args)
         else:
-            waited = insert(c10d.all_gather_into_tensor_out.default, *gather.args, out=buffer)
-        waits = list(gather.users)
-        gather.replace_all_uses_with(waited)
-        graph.erase_node(gather)
-        for wait in waits:
-            NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, all_gather_input)
+            _rewrite(graph, gather, all_gather_input, c10d.all_gather_into_tensor_out.default, *gather.args)
+        rewritten += 1
+    for exchange in list(graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)):
+        unsharded_grad, output_split_sizes, _, group_name = exchange.args
+        if not (_equal_splits(exchange) and reduces_by_all_to_all(group_name, exchange.meta["val"].device)):
+            continue
+        world_size = len(output_split_sizes)
+        _rewrite(graph, exchange, unsharded_grad, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
         rewritten += 1
     return rewritten

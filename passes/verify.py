@@ -22,6 +22,7 @@ _COLLECTIVES = {
     c10d.all_gather_into_tensor.default,
     c10d.all_gather_into_tensor_out.default,
     fsdp.all_gather_send_recv_.default,
+    fsdp.all_to_all_into_.default,
     c10d.reduce_scatter_tensor.default,
     c10d.all_reduce.default,
     c10d.all_to_all_single.default,

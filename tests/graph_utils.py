@@ -44,6 +44,7 @@ def op_counts(graph: fx.Graph) -> Counter:
         c10d.reduce_scatter_tensor.default: "reduce_scatter",
         c10d.all_reduce.default: "all_reduce",
         c10d.all_to_all_single.default: "all_to_all",
+        fsdp.all_to_all_into_.default: "all_to_all_into_",
         c10d.wait_tensor.default: "wait",
     }
     return Counter(names[node.target] for node in graph.nodes if node.target in names)

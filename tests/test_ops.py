@@ -152,7 +152,7 @@ def test_collective_kernels_on_gloo(world_size):
     run_gloo(_gloo_kernels, world_size)
 
 
-def _gloo_send_recv_gathers(rank, world_size):
+def _gloo_in_place_collectives(rank, world_size):
     group_name = dist.group.WORLD.group_name
     funcol = torch.ops._c10d_functional
     inputs = [torch.randn(5) + rank, torch.randn(1000) - rank]
@@ -168,10 +168,26 @@ def _gloo_send_recv_gathers(rank, world_size):
         dist.all_gather_into_tensor(expected, all_gather_input)
         assert torch.equal(output, expected)
 
+    unsharded_grad = torch.randn(world_size * 6) * (rank + 1)
+    received = torch.full_like(unsharded_grad, float("nan"))
+    torch.ops.fsdp.all_to_all_into_(received, unsharded_grad, world_size, group_name)
+    funcol.wait_tensor(received)
+    expected = torch.empty_like(received)
+    dist.all_to_all_single(expected, unsharded_grad)
+    assert torch.equal(received, expected)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_gather_send_recv_matches_all_gather_on_gloo(world_size):
-    run_gloo(_gloo_send_recv_gathers, world_size)
+def test_in_place_collectives_match_torch_distributed_on_gloo(world_size):
+    run_gloo(_gloo_in_place_collectives, world_size)
+
+
+def test_all_to_all_into_rejects_a_wrong_output():
+    with pytest.raises(RuntimeError, match="fsdp::all_to_all_into_: needs a contiguous input and output of one shape"):
+        torch.ops.fsdp.all_to_all_into_(torch.empty(4, device="meta"), torch.empty(6, device="meta"), 2, "0")
+    with pytest.raises(RuntimeError, match="fsdp::all_to_all_into_: numel 6 is not divisible by world size 4"):
+        torch.ops.fsdp.all_to_all_into_(torch.empty(6, device="meta"), torch.empty(6, device="meta"), 4, "0")
 
 
 def test_all_gather_send_recv_rejects_a_wrong_output():

@@ -407,6 +407,35 @@ def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the
     assert after.step_seconds == pytest.approx(before.step_seconds)
 
 
+def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_the_same_memory(monkeypatch):
+    for name in ("lower", "gather_buffers"):  # a gloo group ([Note: gloo reduce-scatter])
+        pass_module = importlib.import_module(f"compile_shard.passes.{name}")
+        monkeypatch.setattr(pass_module, "reduces_by_all_to_all", lambda *_: True)
+    graph_module = trace(_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
+    graph = graph_module.graph
+    _annotate_reductions(graph, ["c", "b", "a"])
+    lower(graph)
+    schedule(graph, reduce_scatter_depth=1)
+    before = simulate(graph, get_profile("h100_nvlink"))
+    assert gather_into_planned_buffers(graph) == 3
+    verify(graph)
+    assert not graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
+    exchanges = graph.find_nodes(op="call_function", target=fsdp.all_to_all_into_.default)
+    assert len(exchanges) == 3
+    for exchange in exchanges:
+        buffer, unsharded_grad, world_size, _ = exchange.args
+        assert buffer.target is aten.new_empty.default and world_size == WORLD
+        assert buffer.meta["val"].shape == unsharded_grad.meta["val"].shape
+        (wait,) = [user for user in buffer.users if user is not exchange]
+        (summed,) = wait.users
+        assert summed.target is fsdp.sum_shards.default
+        # The gradient's sends read it until the exchange is waited on.
+        assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (unsharded_grad,)
+    after = simulate(graph, get_profile("h100_nvlink"))
+    assert after.peak_memory_bytes == before.peak_memory_bytes
+    assert after.step_seconds == pytest.approx(before.step_seconds)
+
+
 def test_gather_buffers_leaves_graphs_without_gathers_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = graph_module.print_readable(print_output=False)
