@@ -13,10 +13,11 @@ numbers are averaged:
 - memory bandwidth: ``copy_`` of a 64 MiB tensor, counted as read + write;
 - per-op overhead: a 1-element ``aten.add.Tensor`` called through its OpOverload, as
   an FX graph calls it;
-- collectives: ``_c10d_functional.all_gather_into_tensor`` and the reduce-scatter as
-  compile_shard runs it on gloo, ``all_to_all_single`` ([Note: gloo reduce-scatter] in
-  ``compile_shard/ops.py``), + ``wait_tensor`` at several sizes (4 KiB to 16 MiB), the
-  median call on rank 0,
+- collectives as compile_shard's compiled graphs run them on gloo: the all-gather
+  ``fsdp.all_gather_send_recv_`` and the reduce-scatter's exchange
+  ``fsdp.all_to_all_into_`` (see [Note: gloo all-gather] and [Note: gloo
+  reduce-scatter] in ``compile_shard/ops.py``), each into a reused output, +
+  ``wait_tensor``, at several sizes (4 KiB to 16 MiB), the median call on rank 0,
   then one fit of the cost model's ring formula
   ``t = (W-1) * latency + (W-1)/W * bytes / bandwidth`` over both, weighted by 1/t so
   that the small sizes pin the latency and the large ones the bandwidth.
@@ -80,18 +81,20 @@ def _time_collective(kind: str, nbytes: int, group_name: str) -> float:
     process does not skew the fit.
     """
     funcol = torch.ops._c10d_functional
+    output = torch.empty(nbytes // 4)
     if kind == "all_gather":
-        shard = torch.ones(nbytes // 4 // WORLD_SIZE)
+        shard = torch.ones(output.numel() // WORLD_SIZE)
 
         def run():
-            funcol.wait_tensor(funcol.all_gather_into_tensor(shard, WORLD_SIZE, group_name))
+            torch.ops.fsdp.all_gather_send_recv_(output, shard, WORLD_SIZE, group_name)
+            funcol.wait_tensor(output)
 
     else:
-        full = torch.ones(nbytes // 4)
-        split_sizes = [full.numel() // WORLD_SIZE] * WORLD_SIZE
+        full = torch.ones(output.numel())
 
         def run():
-            funcol.wait_tensor(funcol.all_to_all_single(full, split_sizes, split_sizes, group_name))
+            torch.ops.fsdp.all_to_all_into_(output, full, WORLD_SIZE, group_name)
+            funcol.wait_tensor(output)
 
     calls = max(5, min(100, 2**24 // nbytes))
     run()

@@ -334,6 +334,7 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
                 f"{node.name}: no process group {node.args[2]!r} in this process to take the all_reduce's "
                 f"world size from; pass world_size"
             )
+    # fsdp.all_to_all_into_'s first argument is its output, of its input's size.
     buffer = waited_node(node).meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
     return CollectiveInfo(kind, size, tensor_bytes(buffer), synchronous)
 
