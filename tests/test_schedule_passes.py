@@ -372,6 +372,16 @@ def fake_group():
 # gather_buffers ----------------------------------------------------------------------
 
 
+def _plan_buffers_keeping_the_simulated_step(graph, rewrites):
+    """gather_buffers, then verify; the simulator sees the same schedule and memory: a rewritten result is its buffer."""
+    before = simulate(graph, get_profile("h100_nvlink"))
+    assert gather_into_planned_buffers(graph) == rewrites
+    verify(graph)
+    after = simulate(graph, get_profile("h100_nvlink"))
+    assert after.peak_memory_bytes == before.peak_memory_bytes
+    assert after.step_seconds == pytest.approx(before.step_seconds)
+
+
 @pytest.mark.parametrize("send_recv", [False, True], ids=["all_gather_out", "gloo_send_recv"])
 def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the_same_memory(monkeypatch, send_recv):
     gather_buffers_module = importlib.import_module("compile_shard.passes.gather_buffers")
@@ -380,9 +390,7 @@ def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the
     graph = graph_module.graph
     lower(graph)
     schedule(graph, prefetch_depth=1)
-    before = simulate(graph, get_profile("h100_nvlink"))
-    assert gather_into_planned_buffers(graph) == 3
-    verify(graph)
+    _plan_buffers_keeping_the_simulated_step(graph, rewrites=3)
     assert not graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
     if send_recv:  # gloo ([Note: gloo all-gather]): fills its first argument, returns nothing
         gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_send_recv_.default)
@@ -401,10 +409,6 @@ def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the
         assert wait.target is c10d.wait_tensor.default
         # Right after the real wait, a wait on the copy-in keeps it alive for Inductor's planner.
         assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (all_gather_input,)
-    # The simulator sees the same schedule and the same memory: the gather's result is its buffer.
-    after = simulate(graph, get_profile("h100_nvlink"))
-    assert after.peak_memory_bytes == before.peak_memory_bytes
-    assert after.step_seconds == pytest.approx(before.step_seconds)
 
 
 def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_the_same_memory(monkeypatch):
@@ -416,9 +420,7 @@ def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_t
     _annotate_reductions(graph, ["c", "b", "a"])
     lower(graph)
     schedule(graph, reduce_scatter_depth=1)
-    before = simulate(graph, get_profile("h100_nvlink"))
-    assert gather_into_planned_buffers(graph) == 3
-    verify(graph)
+    _plan_buffers_keeping_the_simulated_step(graph, rewrites=3)
     assert not graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
     exchanges = graph.find_nodes(op="call_function", target=fsdp.all_to_all_into_.default)
     assert len(exchanges) == 3
@@ -431,9 +433,6 @@ def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_t
         assert summed.target is fsdp.sum_shards.default
         # The gradient's sends read it until the exchange is waited on.
         assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (unsharded_grad,)
-    after = simulate(graph, get_profile("h100_nvlink"))
-    assert after.peak_memory_bytes == before.peak_memory_bytes
-    assert after.step_seconds == pytest.approx(before.step_seconds)
 
 
 def test_gather_buffers_leaves_graphs_without_gathers_alone():
