@@ -166,6 +166,15 @@ def gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
 
 _send_recv_tags: dict[str, itertools.count] = {}
 _MAX_TAG = 1 << 30
+# A work that runs a Python callable on wait (not in every torch: the op then waits itself).
+_CALLBACK_WORK = getattr(torch._C._distributed_c10d, "PythonCallbackWork", None)
+
+
+def _check_same_dtype(op_name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    torch._check(
+        output.dtype == input.dtype,
+        lambda: f"fsdp::{op_name}: output is {output.dtype}, the input {input.dtype}",
+    )
 
 
 def _wait_all(works):
@@ -185,12 +194,11 @@ def _all_gather_send_recv_kernel(output, all_gather_input, world_size, group_nam
     works = [group.recv([slots[peer]], peer, tag) for peer in peers]
     works += [group.send([all_gather_input], peer, tag) for peer in peers]
     slots[rank].copy_(all_gather_input)
-    callback_work = getattr(torch._C._distributed_c10d, "PythonCallbackWork", None)
-    if callback_work is None:  # a torch without it: wait here
+    if _CALLBACK_WORK is None:
         for work in works:
             work.wait()
     else:
-        torch._C._distributed_c10d._register_work(output, callback_work(_wait_all(works)))
+        torch._C._distributed_c10d._register_work(output, _CALLBACK_WORK(_wait_all(works)))
 
 
 def _check_send_recv(all_gather_input, world_size, output) -> None:
@@ -203,10 +211,7 @@ def _check_send_recv(all_gather_input, world_size, output) -> None:
             f"{all_gather_input.numel()} elements, got output shape {tuple(output.shape)}"
         ),
     )
-    torch._check(
-        output.dtype == all_gather_input.dtype,
-        lambda: f"fsdp::all_gather_send_recv_: output is {output.dtype}, the input {all_gather_input.dtype}",
-    )
+    _check_same_dtype("all_gather_send_recv_", output, all_gather_input)
 
 
 def _all_gather_send_recv_meta(output, all_gather_input, world_size, group_name):
@@ -307,10 +312,7 @@ def _check_all_to_all_into(output, input, world_size) -> None:
             f"{tuple(input.shape)} and {tuple(output.shape)}"
         ),
     )
-    torch._check(
-        output.dtype == input.dtype,
-        lambda: f"fsdp::all_to_all_into_: output is {output.dtype}, the input {input.dtype}",
-    )
+    _check_same_dtype("all_to_all_into_", output, input)
     _check_divisible("all_to_all_into_", input, world_size)
 
 

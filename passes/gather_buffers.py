@@ -49,9 +49,13 @@ def _equal_splits(exchange: fx.Node) -> bool:
     return all(is_concrete_int(size) for size in sizes) and len(set(sizes)) == 1
 
 
-def _rewrite(graph: fx.Graph, collective: fx.Node, collective_input: fx.Node, out_variant, *args) -> None:
-    """Replaces ``collective`` by ``new_empty`` and ``out_variant`` into it; a second wait keeps the input alive."""
+def _rewrite(graph: fx.Graph, collective: fx.Node, out_variant, *args) -> None:
+    """Replaces ``collective`` by ``new_empty`` and ``out_variant(*args)`` into it.
+
+    ``args[0]`` is the collective's input: a second wait keeps it alive.
+    """
     insert = NodeInserter(graph, collective, collective)
+    collective_input = args[0]
     buffer = insert(aten.new_empty.default, collective_input, list(collective.meta["val"].shape))
     if out_variant is c10d.all_gather_into_tensor_out.default:
         waited = insert(out_variant, *args, out=buffer)
@@ -72,17 +76,16 @@ def gather_into_planned_buffers(graph: fx.Graph) -> int:
         output = gather.meta["val"]
         if not all(is_concrete_int(size) for size in output.shape):
             continue  # dynamic shapes: no fixed-size buffer to plan
-        all_gather_input, _, group_name = gather.args
-        if gathers_by_send_recv(group_name, output.device):
-            _rewrite(graph, gather, all_gather_input, fsdp.all_gather_send_recv_.default, *gather.args)
+        if gathers_by_send_recv(gather.args[2], output.device):
+            _rewrite(graph, gather, fsdp.all_gather_send_recv_.default, *gather.args)
         else:
-            _rewrite(graph, gather, all_gather_input, c10d.all_gather_into_tensor_out.default, *gather.args)
+            _rewrite(graph, gather, c10d.all_gather_into_tensor_out.default, *gather.args)
         rewritten += 1
     for exchange in list(graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)):
         unsharded_grad, output_split_sizes, _, group_name = exchange.args
         if not (_equal_splits(exchange) and reduces_by_all_to_all(group_name, exchange.meta["val"].device)):
             continue
         world_size = len(output_split_sizes)
-        _rewrite(graph, exchange, unsharded_grad, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
+        _rewrite(graph, exchange, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
         rewritten += 1
     return rewritten

@@ -1,9 +1,9 @@
 """verify: check the invariants the other passes rely on, after any of them.
 
 - the graph is well formed and topologically ordered (``Graph.lint``);
-- every ``_c10d_functional`` collective (and gloo's in-place gather) is waited on
-  exactly once, and only the wait reads it (``waited_node``), so nothing uses a
-  collective's buffer before it is complete;
+- every ``_c10d_functional`` collective (and each gloo collective that fills its
+  first argument) is waited on exactly once, and only the wait reads it
+  (``waited_node``), so nothing uses a collective's buffer before it is complete;
 - no storage mutation is left (``fsdp.set_``, ``fsdp.resize_storage_``, ``aten.set_``,
   ``inductor.resize_storage_bytes_``);
 - in a forward graph: no resharded group's gathered parameter is saved for backward.
