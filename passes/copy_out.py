@@ -9,7 +9,11 @@ first, so a group's copy-out is spread over as many kernels as it has parameters
 ``cat`` and every parameter a view of it: the clones then have a single reader,
 Inductor inlines them into the concatenation, and the whole copy-out is one kernel
 reading the buffer once. Eager execution of the graph (``aot_eager``) pays one
-extra copy; Inductor pays none. New nodes inherit the clones' metadata, so the
+extra copy; Inductor pays none. The concatenation reads each clone, a ``[world_size,
+shard_numel]`` block, flattened: element ``i`` comes from rank ``i // shard_numel``, an
+index Inductor's CPU backend vectorizes. Flattening the parameter-shaped view instead
+nests a second floor/mod pair (``1024 * (i // 1024) + i % 1024``) that sympy does not
+fold, and the copy became a scalar loop with two integer divisions per element. New nodes inherit the clones' metadata, so the
 partitioner recomputes or saves them with the rest of the chain.
 """
 
@@ -54,14 +58,16 @@ def _fuse(graph: fx.Graph, copies: list[fx.Node]) -> None:
     position = {node: index for index, node in enumerate(graph.nodes)}
     anchor = max(copies, key=position.__getitem__).next
     insert = NodeInserter(graph, anchor, copies[0].args[0])
-    flat = [insert(aten.view.default, copy, [-1]) for copy in copies]
+    # Flatten the clone, not the parameter-shaped view of it: see [Note: one copy-out per group].
+    flat = [insert(aten.view.default, copy.args[0], [-1]) for copy in copies]
     concatenated = insert(aten.cat.default, flat)
     offset = 0
-    for copy, flat_copy in zip(copies, flat):
+    for copy in copies:
         numel = copy.meta["val"].numel()
         piece = insert(aten.slice.Tensor, concatenated, 0, offset, offset + numel)
         parameter = insert(aten.view.default, piece, list(copy.meta["val"].shape))
-        copy.replace_all_uses_with(parameter, delete_user_cb=lambda user, keep=flat_copy: user is not keep)
+        copy.replace_all_uses_with(parameter)
+        graph.erase_node(copy)
         offset += numel
 
 

@@ -236,6 +236,66 @@ def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
     run_gloo(_gloo_lowering_computes_the_same, world_size)
 
 
+# copy_out --------------------------------------------------------------------------
+
+
+def _cat_inputs_after_copy_out(graph_module):
+    from compile_shard.passes import copy_out
+
+    assert copy_out(graph_module.graph) == 1
+    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default, sort=False)[-1:]
+    return cat
+
+
+def test_copy_out_concatenates_the_flattened_rank_major_clones():
+    graph_module = _lowered_graph()
+    assert len(graph_module.graph.find_nodes(op="call_function", target=aten._unsafe_view.default)) == 2
+    cat = _cat_inputs_after_copy_out(graph_module)
+    # Each input flattens a [world_size, shard_numel] clone, not a parameter-shaped view
+    # of it: Inductor's CPU backend vectorizes that index ([Note: one copy-out per group]).
+    shapes = []
+    for flat in cat.args[0]:
+        (clone,) = flat.all_input_nodes
+        assert flat.target is aten.view.default and clone.target is aten.clone.default
+        shapes.append(tuple(clone.meta["val"].shape))
+    assert shapes == [(WORLD, 12), (WORLD, 2)]
+    assert not graph_module.graph.find_nodes(op="call_function", target=aten._unsafe_view.default)
+    # The parameters read slices of the concatenation, in their own shapes.
+    slices = [user for user in cat.users if user.target is aten.slice.Tensor]
+    assert [tuple(next(iter(s.users)).meta["val"].shape) for s in slices] == [(6, 4), (4,)]
+    verify(graph_module.graph)
+
+
+def _gloo_copy_out_computes_the_same(rank, world_size):
+    import torch.distributed as dist
+
+    from compile_shard.passes import copy_out
+
+    group_name = dist.group.WORLD.group_name
+
+    def fn(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], world_size, group_name)
+        per_rank_w, per_rank_b = gathered.view(world_size, -1).split([12, 2], dim=1)
+        return x @ per_rank_w.reshape(-1, 4)[:5].t() + per_rank_b.reshape(-1)[:5].sum()
+
+    torch.manual_seed(rank)
+    inputs = (torch.randn(3 - rank, 4), torch.randn(2 - rank), torch.randn(3, 4))
+    graph_module = trace(fn, *inputs)  # fake tensors in meta, real collectives when run
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    lower(graph_module.graph)
+    graph_module.recompile()
+    expected = graph_module(*inputs)
+    assert copy_out(graph_module.graph) == 1
+    graph_module.recompile()
+    assert torch.equal(graph_module(*inputs), expected)
+
+
+def test_copy_out_computes_what_the_per_parameter_copies_compute():
+    from dist_utils import run_gloo
+
+    run_gloo(_gloo_copy_out_computes_the_same, 2)
+
+
 # verify ----------------------------------------------------------------------------
 
 
