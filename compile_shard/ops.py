@@ -400,10 +400,6 @@ _lib.impl("resize_storage_", _resize_storage_meta, "Meta")
 _lib.impl("set_", _set_functionalize, "Functionalize")
 _lib.impl("resize_storage_", _resize_storage_functionalize, "Functionalize")
 
-torch.library.register_fake("fsdp::all_gather_into", _all_gather_into_meta, lib=_lib)
-torch.library.register_fake("fsdp::reduce_scatter_grad", _reduce_scatter_grad_meta, lib=_lib)
-torch.library.register_fake("fsdp::sum_shards", _sum_shards_meta, lib=_lib)
-torch.library.register_fake("fsdp::resize_storage_", _resize_storage_meta, lib=_lib)
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
 )

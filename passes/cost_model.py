@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
