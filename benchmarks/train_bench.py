@@ -197,6 +197,9 @@ class Mode:
     counted_in_graphs: bool = False
     overlap_off: bool = False
     compile_regions: bool = False
+    #: DDP's reducer reads its all-reduce's result, which the fake process group does not
+    #: produce (torch 2.11 and 2.13 assert in ``c10d/comm.cpp`` at the first backward).
+    runs_on_fake_group: bool = True
 
 
 MODES = {
@@ -206,8 +209,8 @@ MODES = {
     "cs_compiled_regions": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=True),
     "fsdp2_eager": Mode(_build_fsdp2),
     "fsdp2_block_compiled": Mode(_build_fsdp2_block_compiled, compiled=True),
-    "ddp": Mode(_build_ddp),
-    "ddp_compiled": Mode(_build_ddp_compiled, compiled=True),
+    "ddp": Mode(_build_ddp, runs_on_fake_group=False),
+    "ddp_compiled": Mode(_build_ddp_compiled, compiled=True, runs_on_fake_group=False),
     "reference": Mode(_build_reference, distributed=False),
 }
 BASELINE_MODE = "fsdp2_eager"
@@ -291,11 +294,16 @@ class GraphRecorder:
         """Hooks Inductor; call it after ``fully_shard``, whose ``install()`` must not wrap this hook."""
         if self.backend_name != "inductor":
             return
-        from torch._inductor.custom_graph_pass import get_custom_graph_passes
-
         config = torch._inductor.config
-        installed = get_custom_graph_passes(config.post_grad_custom_post_pass)
-        config.post_grad_custom_post_pass = [*installed, self.record]
+        installed = config.post_grad_custom_post_pass
+        installed = list(installed) if isinstance(installed, (list, tuple)) else [p for p in (installed,) if p]
+
+        def record_after_installed(graph: fx.Graph) -> None:  # one callable: torch 2.11 takes no list
+            for graph_pass in installed:
+                graph_pass(graph)
+            self.record(graph)
+
+        config.post_grad_custom_post_pass = record_after_installed
         config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
 
@@ -850,7 +858,9 @@ def _notes(report: dict) -> list[str]:
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="A")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument(
+        "--modes", help="comma-separated subset of: " + ", ".join(MODES) + " (default: all that can run)"
+    )
     parser.add_argument("--world-size", type=_at_least(1), help="gloo processes per mode (default: the config's)")
     parser.add_argument("--steps", type=_at_least(1), help="timed steps after warm-up (default: the config's)")
     parser.add_argument("--warmup", type=_at_least(0), help="untimed steps after the cold step (default: the config's)")
@@ -862,9 +872,18 @@ def _parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
+    fake = args.device == "cuda" or args.fake_world_size is not None
+    if args.modes is None:
+        args.modes = ",".join(name for name, mode in MODES.items() if mode.runs_on_fake_group or not fake)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    refused = [m for m in args.modes.split(",") if fake and not MODES[m].runs_on_fake_group]
+    if refused:
+        parser.error(
+            f"{refused} cannot run on the fake process group (--device cuda or --fake-world-size): DDP's reducer "
+            "reads its all-reduce's result, which the fake group does not produce; leave them out"
+        )
     return args
 
 

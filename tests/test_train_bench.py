@@ -148,3 +148,22 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
     assert regions["graph_collectives"] == compiled["graph_collectives"]  # backward still gathers again
     assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
+
+
+def _parse_args(*argv: str):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return train_bench, train_bench._parse_args(list(argv))
+
+
+def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(capsys):
+    train_bench, args = _parse_args("--fake-world-size", "8")
+    assert args.modes.split(",") == [name for name in train_bench.MODES if not name.startswith("ddp")]
+    _, args = _parse_args()  # gloo: every mode
+    assert args.modes.split(",") == list(train_bench.MODES)
+    with pytest.raises(SystemExit):
+        _parse_args("--device", "cuda", "--modes", "cs_compiled,ddp")
+    assert "['ddp'] cannot run on the fake process group" in capsys.readouterr().err
