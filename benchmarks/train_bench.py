@@ -296,7 +296,10 @@ class GraphRecorder:
             return
         config = torch._inductor.config
         installed = config.post_grad_custom_post_pass
-        installed = list(installed) if isinstance(installed, (list, tuple)) else [p for p in (installed,) if p]
+        if installed is None:
+            installed = []
+        elif not isinstance(installed, (list, tuple)):
+            installed = [installed]
 
         def record_after_installed(graph: fx.Graph) -> None:  # one callable: torch 2.11 takes no list
             for graph_pass in installed:

@@ -9,12 +9,14 @@ first, so a group's copy-out is spread over as many kernels as it has parameters
 ``cat`` and every parameter a view of it: the clones then have a single reader,
 Inductor inlines them into the concatenation, and the whole copy-out is one kernel
 reading the buffer once. Eager execution of the graph (``aot_eager``) pays one
-extra copy; Inductor pays none. The concatenation reads each clone, a ``[world_size,
-shard_numel]`` block, flattened: element ``i`` comes from rank ``i // shard_numel``, an
-index Inductor's CPU backend vectorizes. Flattening the parameter-shaped view instead
-nests a second floor/mod pair (``1024 * (i // 1024) + i % 1024``) that sympy does not
-fold, and the copy became a scalar loop with two integer divisions per element. New nodes inherit the clones' metadata, so the
+extra copy; Inductor pays none. New nodes inherit the clones' metadata, so the
 partitioner recomputes or saves them with the rest of the chain.
+
+The concatenation reads each clone, a ``[world_size, shard_numel]`` block, flattened:
+element ``i`` comes from rank ``i // shard_numel``, an index Inductor's CPU backend
+vectorizes. Flattening the parameter-shaped view instead nests a second floor/mod
+pair (``1024 * (i // 1024) + i % 1024``) that sympy does not fold, and the copy
+became a scalar loop with two integer divisions per element.
 """
 
 from __future__ import annotations

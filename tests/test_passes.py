@@ -239,18 +239,20 @@ def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
 # copy_out --------------------------------------------------------------------------
 
 
-def _cat_inputs_after_copy_out(graph_module):
+def _copy_out_concatenation(graph_module):
+    """Runs ``copy_out``; returns its ``cat`` (the copy-in's ``cat`` feeds the all-gather, this one slices)."""
     from compile_shard.passes import copy_out
 
     assert copy_out(graph_module.graph) == 1
-    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default, sort=False)[-1:]
+    cats = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
+    (cat,) = [node for node in cats if all(user.target is aten.slice.Tensor for user in node.users)]
     return cat
 
 
 def test_copy_out_concatenates_the_flattened_rank_major_clones():
     graph_module = _lowered_graph()
     assert len(graph_module.graph.find_nodes(op="call_function", target=aten._unsafe_view.default)) == 2
-    cat = _cat_inputs_after_copy_out(graph_module)
+    cat = _copy_out_concatenation(graph_module)
     # Each input flattens a [world_size, shard_numel] clone, not a parameter-shaped view
     # of it: Inductor's CPU backend vectorizes that index ([Note: one copy-out per group]).
     shapes = []

@@ -150,7 +150,8 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
 
 
-def _parse_args(*argv: str):
+def _bench_and_args(*argv: str):
+    """The script's module and its parsed command line."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import train_bench
@@ -160,10 +161,10 @@ def _parse_args(*argv: str):
 
 
 def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(capsys):
-    train_bench, args = _parse_args("--fake-world-size", "8")
+    train_bench, args = _bench_and_args("--fake-world-size", "8")
     assert args.modes.split(",") == [name for name in train_bench.MODES if not name.startswith("ddp")]
-    _, args = _parse_args()  # gloo: every mode
+    _, args = _bench_and_args()  # gloo: every mode
     assert args.modes.split(",") == list(train_bench.MODES)
     with pytest.raises(SystemExit):
-        _parse_args("--device", "cuda", "--modes", "cs_compiled,ddp")
+        _bench_and_args("--device", "cuda", "--modes", "cs_compiled,ddp")
     assert "['ddp'] cannot run on the fake process group" in capsys.readouterr().err
