@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -175,8 +177,17 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         _train(args)
+        gc.collect()  # collective work handles in reference cycles go while the group is alive
+        dist.barrier()  # no rank tears its gloo pairs down while a peer still runs a collective
     finally:
         dist.destroy_process_group()
+    # The demo is done and printed. Leave without the interpreter's teardown: a gloo
+    # thread still joinable at static destruction aborts the process now and then
+    # ("terminate called without an active exception", SIGABRT), and mp.spawn would
+    # report a finished demo as failed. tests/dist_utils.py leaves its workers the same way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
