@@ -858,6 +858,11 @@ def _notes(report: dict) -> list[str]:
 # Command line ----------------------------------------------------------------------------------------------------
 
 
+def _uses_fake_group(args: argparse.Namespace) -> bool:
+    """One process as rank 0 of a fake process group: ``--device cuda`` or ``--fake-world-size``."""
+    return args.device == "cuda" or args.fake_world_size is not None
+
+
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="A")
@@ -875,7 +880,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
-    fake = args.device == "cuda" or args.fake_world_size is not None
+    fake = _uses_fake_group(args)
     if args.modes is None:
         args.modes = ",".join(name for name, mode in MODES.items() if mode.runs_on_fake_group or not fake)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
@@ -905,7 +910,7 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 def _bench_config(args: argparse.Namespace) -> BenchConfig:
     """The named configuration with the command line's overrides; ``world_size`` is the one that runs."""
     config = CONFIGS[args.config]
-    if args.fake_world_size is not None or args.device == "cuda":
+    if _uses_fake_group(args):
         world_size = args.fake_world_size or 8
     elif _under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
@@ -987,7 +992,7 @@ def _check_cost_profile(name: str) -> None:
 def main(argv=None) -> dict | None:
     """Runs the benchmark; returns the report on the process that prints it (``None`` on other torchrun ranks)."""
     args = _parse_args(argv)
-    fake = args.device == "cuda" or args.fake_world_size is not None
+    fake = _uses_fake_group(args)
     if fake and _under_torchrun():
         raise SystemExit("the fake process group runs in one process: start it without torchrun")
     if args.device == "cuda" and not torch.cuda.is_available():
