@@ -130,16 +130,22 @@ class FSDPParam:
         return self.sharded_param if self.unsharded_param is None else self.unsharded_param
 
     def validate_device(self, device_type: str) -> None:
-        local_tensor = self.local_tensor
-        if local_tensor.is_meta:
+        """Raises for a parameter the forward cannot gather: still on meta, or off the mesh's device.
+
+        It reads the DTensor's own metadata, which matches its local tensor's. Reading
+        ``_local_tensor`` here would, inside a trace, make every local tensor a graph
+        input of its own next to its DTensor (a guard and an aliased input each).
+        """
+        device = self.sharded_param.device
+        if device.type == "meta":
             raise RuntimeError(
                 f"fully_shard: parameter {self.fqn!r} is still on the meta device at the first forward. "
                 f"Materialize it first, e.g. module.to_empty(device={device_type!r}) and then initialize "
                 "the values (reset_parameters() or load a state dict)"
             )
-        if local_tensor.device.type != device_type:
+        if device.type != device_type:
             raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} is on {local_tensor.device} but the mesh covers "
+                f"fully_shard: parameter {self.fqn!r} is on {device} but the mesh covers "
                 f"{device_type!r} devices. Move the module with module.to({device_type!r}) before its forward"
             )
 

@@ -100,6 +100,22 @@ def test_fullgraph_false_gives_the_same_single_graph():
     assert len(capture.forward_graphs) == 1
 
 
+def test_dynamo_graph_takes_one_input_per_sharded_parameter():
+    """Each DTensor parameter enters the graph once; its local tensor is not lifted beside it
+    (an extra input, a guard and an aliasing check per parameter, see ``FSDPParam.validate_device``)."""
+    graph_inputs = []
+
+    def backend(graph_module, example_inputs):
+        graph_inputs.append(len(example_inputs))
+        return graph_module.forward
+
+    with FakeProcessGroup(2):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        torch.compile(model, backend=backend, fullgraph=True)(torch.randint(0, 1001, (2, 9)))
+    buffers = len(list(model.buffers()))
+    assert graph_inputs == [len(list(model.parameters())) + buffers + 1]  # + the tokens
+
+
 def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False):
     settings.bucket_cap_mb = bucket_cap_mb
     settings.compile_regions = compile_regions

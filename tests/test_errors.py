@@ -31,6 +31,15 @@ def test_parameters_still_on_meta_at_first_forward():
         model(torch.randn(2, 4))
 
 
+def test_parameters_still_on_meta_at_first_compiled_forward():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(RuntimeError, match=r"parameter '0.weight' is still on the meta device.*to_empty"):
+        compiled(torch.randn(2, 4))
+
+
 def test_meta_init_then_to_empty_works():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4, bias=False))
