@@ -93,10 +93,11 @@ class FSDPState:
     def pre_forward(self) -> list[FSDPParamGroup]:
         """Unshards before the module's forward; returns the groups a trace showed."""
         if self.is_root:
+            device_type = self.mesh.device_type  # read once: in a trace, each read is traced anew
             for state in self.subtree_states:
                 if state.group is not None:
                     for fsdp_param in state.group.fsdp_params:
-                        fsdp_param.validate_device(self.mesh.device_type)
+                        fsdp_param.validate_device(device_type)
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
