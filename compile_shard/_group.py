@@ -83,6 +83,9 @@ class FSDPParamGroup:
         self.module_name = module_name
         self.mesh = mesh
         self.world_size = mesh.size()
+        # Fixed at sharding time; held here so a trace reads one constant per group.
+        self.padded_numels = [fsdp_param.padded_numel for fsdp_param in fsdp_params]
+        self.unsharded_shapes = [fsdp_param.unsharded_shape for fsdp_param in fsdp_params]
         self.group_name = mesh.get_group().group_name
         self.reshard_after_forward = reshard_after_forward
         # Names of every group under the same root, set by the root: lets the pass
@@ -100,12 +103,10 @@ class FSDPParamGroup:
     def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """All-gathers the group and copies out one tensor per parameter."""
         shards = [fsdp_param.sharded_param.to_local() for fsdp_param in self.fsdp_params]
-        padded_numels = [fsdp_param.padded_numel for fsdp_param in self.fsdp_params]
-        all_gather_output = ops.all_gather_into(shards, padded_numels, self.world_size, self.group_name)
-        per_rank = all_gather_output.view(self.world_size, -1).split(padded_numels, dim=1)
+        all_gather_output = ops.all_gather_into(shards, self.padded_numels, self.world_size, self.group_name)
+        per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [
-            chunk.reshape(-1, *fsdp_param.unsharded_shape[1:])[: fsdp_param.unsharded_shape[0]]
-            for chunk, fsdp_param in zip(per_rank, self.fsdp_params)
+            chunk.reshape(-1, *shape[1:])[: shape[0]] for chunk, shape in zip(per_rank, self.unsharded_shapes)
         ]
         return unsharded, all_gather_output
 
