@@ -1,0 +1,226 @@
+"""Where the cold first step's time goes: compile_shard against torch.compile of the same model, sharded or not.
+
+    python benchmarks/cold_start.py --config B --rounds 2
+    python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --json cold.json
+
+Issue 5 holds compile_shard's cold first step (compilation included) to 1.5x that of
+FSDP2 with per-block compile. This script separates what that ratio is made of: the
+cost of compiling the whole model instead of one block (``unsharded_compiled`` and
+``unsharded_regions`` compile the model without any sharding) and what compile_shard
+adds on top of that (``cs_compiled``, ``cs_compiled_regions``).
+
+Every mode runs in a fresh Python process with an empty Inductor cache directory, so
+each one pays Inductor's CPU ISA probe and compiles every kernel, on rank 0 of a fake
+process group (one process: no gloo, no second rank competing for the cores). The
+rounds alternate the modes, as this machine's speed drifts by 20 to 30% within an
+hour. Per mode, the median over the rounds of: the cold step (forward, backward and
+optimizer step of the first batch), the compile phases torch records
+(``torch._dynamo.utils.compile_times``: Dynamo's bytecode trace, AOTAutograd's joint
+trace, Inductor's forward and backward compiles) and the C++ kernels the step built
+(``*.main.so`` files in the cache directory; Inductor builds one per distinct kernel
+source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch._inductor.config
+import torch.nn as nn
+
+BASELINE_MODE = "fsdp2_block_compiled"
+#: ``compile_times`` entries reported per mode, by the name the table gives them.
+PHASES = {
+    "dynamo_s": "bytecode_tracing",
+    "aot_trace_s": "aot_trace_joint_graph",
+    "forward_compile_s": "compile_fx.<locals>.fw_compiler_base",
+    "backward_compile_s": "compile_fx.<locals>.bw_compiler",
+}
+
+
+def _compile_blocks(model: nn.Module, backend: str) -> nn.Module:
+    for block in model.layers:
+        block.compile(fullgraph=True, backend=backend)
+    return model
+
+
+def _build_fsdp2_block_compiled(model: nn.Module, backend: str) -> nn.Module:
+    """torchtitan's recipe, as in ``train_bench.py``: compile each block, then FSDP2 per block and the root."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    _compile_blocks(model, backend)
+    for block in model.layers:
+        torch_fully_shard(block)
+    return torch_fully_shard(model)
+
+
+def _build_unsharded_regions(model: nn.Module, backend: str) -> nn.Module:
+    """Every block traced once as a nested compile region (the class's forward, shared by all blocks)."""
+    block_class = type(model.layers[0])
+    block_class.forward = torch.compiler.nested_compile_region(block_class.forward)
+    return torch.compile(model, backend=backend)
+
+
+def _build_cs_compiled(model: nn.Module, backend: str, regions: bool = False) -> nn.Module:
+    import compile_shard.passes
+    from compile_shard import fully_shard
+
+    compile_shard.passes.settings.compile_regions = regions
+    for block in model.layers:
+        fully_shard(block)
+    return torch.compile(fully_shard(model), backend=backend)
+
+
+MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
+    "fsdp2_block_compiled": _build_fsdp2_block_compiled,
+    "unsharded_block_compiled": _compile_blocks,
+    "unsharded_compiled": lambda model, backend: torch.compile(model, backend=backend),
+    "unsharded_regions": _build_unsharded_regions,
+    "cs_compiled": _build_cs_compiled,
+    "cs_compiled_regions": lambda model, backend: _build_cs_compiled(model, backend, regions=True),
+}
+
+
+# One mode, in its own process ---------------------------------------------------------------------------------------
+
+
+def _measure(mode: str, config_name: str, world_size: int, backend: str) -> dict:
+    """Builds the mode's model on a fake process group and times its first training step."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from compile_shard.models import Llama
+    from train_bench import CONFIGS
+
+    torch.set_num_threads(1)
+    torch._inductor.config.fx_graph_cache = False  # the cache directory is empty anyway; no remote caches either
+    torch._functorch.config.enable_autograd_cache = False
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        bench = CONFIGS[config_name]
+        torch.manual_seed(0)
+        model = MODES[mode](Llama(bench.llama()), backend)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, bench.llama().vocab_size, (bench.batch_per_rank, bench.seq + 1))
+
+        def step() -> float:
+            start = time.perf_counter()
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return time.perf_counter() - start
+
+        cold_step_s = step()
+        second_step_s = step()
+    finally:
+        dist.destroy_process_group()
+    names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    recorded = {name: float(value) for name, value in zip(names, values)}
+    return {
+        "cold_step_s": cold_step_s,
+        "second_step_s": second_step_s,
+        **{field: recorded.get(name, 0.0) for field, name in PHASES.items()},
+    }
+
+
+def _run_one(mode: str, args: argparse.Namespace) -> dict:
+    """Runs ``mode`` in a fresh interpreter with an empty Inductor cache; counts the kernels it built."""
+    with tempfile.TemporaryDirectory(prefix="cold_start_inductor_") as cache_dir:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
+        command = [
+            sys.executable, __file__, "--one", mode, "--modes", mode, "--config", args.config,
+            "--world-size", str(args.world_size), "--backend", args.backend,
+        ]  # fmt: skip
+        finished = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if finished.returncode != 0:
+            raise RuntimeError(f"cold_start.py: mode {mode} failed:\n{finished.stderr[-4000:]}")
+        result = json.loads(finished.stdout.strip().splitlines()[-1])
+        result["kernels"] = sum(1 for _ in Path(cache_dir).rglob("*.main.so"))
+    return result
+
+
+# Report -------------------------------------------------------------------------------------------------------------
+
+
+FIELDS = ("cold_step_s", "dynamo_s", "aot_trace_s", "forward_compile_s", "backward_compile_s", "kernels")
+
+
+def _summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    summary = {mode: {field: statistics.median(r[field] for r in results) for field in FIELDS} for mode, results in runs.items()}
+    baseline = summary.get(BASELINE_MODE)
+    for values in summary.values():
+        values["cold_ratio"] = None if baseline is None else values["cold_step_s"] / baseline["cold_step_s"]
+    return summary
+
+
+def _table(summary: dict[str, dict]) -> str:
+    header = ("mode", "cold s", f"x {BASELINE_MODE}", "Dynamo s", "AOT trace s", "fwd compile s", "bwd compile s", "kernels")
+    rows = [header]
+    for mode, values in summary.items():
+        ratio = "-" if values["cold_ratio"] is None else f"{values['cold_ratio']:.2f}x"
+        rows.append(
+            (mode, f"{values['cold_step_s']:.1f}", ratio, f"{values['dynamo_s']:.2f}", f"{values['aot_trace_s']:.2f}",
+             f"{values['forward_compile_s']:.1f}", f"{values['backward_compile_s']:.1f}", f"{values['kernels']:.0f}")
+        )  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="B", help="a train_bench.py configuration (default B)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating the modes (default 1)")
+    parser.add_argument("--world-size", type=int, default=2, help="size of the fake process group (default 2)")
+    parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--json", type=Path, help="write every run and the medians here")
+    parser.add_argument("--one", choices=sorted(MODES), help=argparse.SUPPRESS)  # the per-mode child process
+    args = parser.parse_args(argv)
+    unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    if args.backend != "inductor" and "cs_compiled_regions" in args.modes.split(","):
+        parser.error("cs_compiled_regions needs --backend inductor (see [Note: region parameters are saved as inputs])")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
+
+
+def main(argv=None) -> dict[str, dict] | None:
+    args = _parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_bench's configurations
+    if args.one is not None:
+        print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend)))
+        return None
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            runs[mode].append(_run_one(mode, args))
+    summary = _summarize(runs)
+    print(
+        f"cold_start config {args.config}: one process, fake group of {args.world_size}, backend {args.backend}, "
+        f"empty Inductor cache per run; medians of {args.rounds} round(s), torch {torch.__version__}"
+    )
+    print(_table(summary))
+    if args.json is not None:
+        report = {"config": args.config, "world_size": args.world_size, "backend": args.backend,
+                  "rounds": args.rounds, "torch": torch.__version__, "runs": runs, "medians": summary}  # fmt: skip
+        args.json.write_text(json.dumps(report, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
