@@ -38,6 +38,9 @@ import torch
 import torch._inductor.config
 import torch.nn as nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import CONFIGS  # noqa: E402  (the benchmark's configurations)
+
 BASELINE_MODE = "fsdp2_block_compiled"
 #: ``compile_times`` entries reported per mode, by the name the table gives them.
 PHASES = {
@@ -101,18 +104,18 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str) -> dict
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from compile_shard.models import Llama
-    from train_bench import CONFIGS
 
     torch.set_num_threads(1)
-    torch._inductor.config.fx_graph_cache = False  # the cache directory is empty anyway; no remote caches either
+    torch._inductor.config.fx_graph_cache = False  # compile everything, as in train_bench.py
     torch._functorch.config.enable_autograd_cache = False
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         bench = CONFIGS[config_name]
         torch.manual_seed(0)
-        model = MODES[mode](Llama(bench.llama()), backend)
+        llama = bench.llama()
+        model = MODES[mode](Llama(llama), backend)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = torch.randint(0, bench.llama().vocab_size, (bench.batch_per_rank, bench.seq + 1))
+        tokens = torch.randint(0, llama.vocab_size, (bench.batch_per_rank, bench.seq + 1))
 
         def step() -> float:
             start = time.perf_counter()
@@ -158,7 +161,10 @@ FIELDS = ("cold_step_s", "dynamo_s", "aot_trace_s", "forward_compile_s", "backwa
 
 
 def _summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    summary = {mode: {field: statistics.median(r[field] for r in results) for field in FIELDS} for mode, results in runs.items()}
+    summary = {
+        mode: {field: statistics.median(run[field] for run in results) for field in FIELDS}
+        for mode, results in runs.items()
+    }
     baseline = summary.get(BASELINE_MODE)
     for values in summary.values():
         values["cold_ratio"] = None if baseline is None else values["cold_step_s"] / baseline["cold_step_s"]
@@ -166,7 +172,9 @@ def _summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 
 def _table(summary: dict[str, dict]) -> str:
-    header = ("mode", "cold s", f"x {BASELINE_MODE}", "Dynamo s", "AOT trace s", "fwd compile s", "bwd compile s", "kernels")
+    header = (
+        "mode", "cold s", f"x {BASELINE_MODE}", "Dynamo s", "AOT trace s", "fwd compile s", "bwd compile s", "kernels",
+    )  # fmt: skip
     rows = [header]
     for mode, values in summary.items():
         ratio = "-" if values["cold_ratio"] is None else f"{values['cold_ratio']:.2f}x"
@@ -180,7 +188,7 @@ def _table(summary: dict[str, dict]) -> str:
 
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="B", help="a train_bench.py configuration (default B)")
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="B", help="train_bench.py's configurations")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     parser.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating the modes (default 1)")
     parser.add_argument("--world-size", type=int, default=2, help="size of the fake process group (default 2)")
@@ -200,7 +208,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict[str, dict] | None:
     args = _parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_bench's configurations
     if args.one is not None:
         print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend)))
         return None
