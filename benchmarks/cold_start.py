@@ -38,8 +38,10 @@ import torch
 import torch._inductor.config
 import torch.nn as nn
 
+import compile_shard.passes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import CONFIGS  # noqa: E402  (the benchmark's configurations)
+import train_bench  # noqa: E402  (its configurations and mode builders)
 
 BASELINE_MODE = "fsdp2_block_compiled"
 #: ``compile_times`` entries reported per mode, by the name the table gives them.
@@ -57,16 +59,6 @@ def _compile_blocks(model: nn.Module, backend: str) -> nn.Module:
     return model
 
 
-def _build_fsdp2_block_compiled(model: nn.Module, backend: str) -> nn.Module:
-    """torchtitan's recipe, as in ``train_bench.py``: compile each block, then FSDP2 per block and the root."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    _compile_blocks(model, backend)
-    for block in model.layers:
-        torch_fully_shard(block)
-    return torch_fully_shard(model)
-
-
 def _build_unsharded_regions(model: nn.Module, backend: str) -> nn.Module:
     """Every block traced once as a nested compile region (the class's forward, shared by all blocks)."""
     block_class = type(model.layers[0])
@@ -74,23 +66,24 @@ def _build_unsharded_regions(model: nn.Module, backend: str) -> nn.Module:
     return torch.compile(model, backend=backend)
 
 
-def _build_cs_compiled(model: nn.Module, backend: str, regions: bool = False) -> nn.Module:
-    import compile_shard.passes
-    from compile_shard import fully_shard
+def _train_bench_mode(name: str) -> Callable[[nn.Module, str], nn.Module]:
+    """``train_bench.py``'s builder for the mode, with its ``compile_regions`` setting, on the default mesh."""
+    mode = train_bench.MODES[name]
 
-    compile_shard.passes.settings.compile_regions = regions
-    for block in model.layers:
-        fully_shard(block)
-    return torch.compile(fully_shard(model), backend=backend)
+    def build(model: nn.Module, backend: str) -> nn.Module:
+        compile_shard.passes.settings.compile_regions = mode.compile_regions
+        return mode.build(model, train_bench.BuildContext(mesh=None, backend=backend))
+
+    return build
 
 
 MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
-    "fsdp2_block_compiled": _build_fsdp2_block_compiled,
+    "fsdp2_block_compiled": _train_bench_mode("fsdp2_block_compiled"),
     "unsharded_block_compiled": _compile_blocks,
     "unsharded_compiled": lambda model, backend: torch.compile(model, backend=backend),
     "unsharded_regions": _build_unsharded_regions,
-    "cs_compiled": _build_cs_compiled,
-    "cs_compiled_regions": lambda model, backend: _build_cs_compiled(model, backend, regions=True),
+    "cs_compiled": _train_bench_mode("cs_compiled"),
+    "cs_compiled_regions": _train_bench_mode("cs_compiled_regions"),
 }
 
 
@@ -110,7 +103,7 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str) -> dict
     torch._functorch.config.enable_autograd_cache = False
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        bench = CONFIGS[config_name]
+        bench = train_bench.CONFIGS[config_name]
         torch.manual_seed(0)
         llama = bench.llama()
         model = MODES[mode](Llama(llama), backend)
@@ -188,7 +181,7 @@ def _table(summary: dict[str, dict]) -> str:
 
 def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="B", help="train_bench.py's configurations")
+    parser.add_argument("--config", choices=sorted(train_bench.CONFIGS), default="B", help="a train_bench.py config")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     parser.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating the modes (default 1)")
     parser.add_argument("--world-size", type=int, default=2, help="size of the fake process group (default 2)")
