@@ -28,6 +28,8 @@ __all__ = [
     "all_gather_send_recv_",
     "all_to_all_into_",
     "reduce_scatter_grad",
+    "reduce_scatter_input",
+    "reduce_scatter_input_into_",
     "sum_shards",
     "set_",
     "resize_storage_",
@@ -47,6 +49,8 @@ _lib.define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
     "str reduce_op='avg') -> Tensor"
 )
+_lib.define("reduce_scatter_input(Tensor[] unsharded_grads, SymInt world_size) -> Tensor")
+_lib.define("reduce_scatter_input_into_(Tensor(a!) output, Tensor[] unsharded_grads, SymInt world_size) -> ()")
 _lib.define("all_to_all_into_(Tensor(a!) output, Tensor input, SymInt world_size, str group_name) -> ()")
 _lib.define("sum_shards(Tensor received, SymInt world_size, str reduce_op='avg') -> Tensor")
 _lib.define("set_(Tensor(a!) tensor, Tensor source) -> ()")
@@ -297,6 +301,67 @@ def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
     return gathered, None, None, None
 
 
+# reduce_scatter_input ----------------------------------------------------------------
+# [Note: one reduction input per group]
+# A group's reduction input is every unsharded gradient padded on dim 0 to a multiple
+# of world_size and laid out rank-major, ``[rank 0: g0 g1 ..., rank 1: g0 g1 ...]``:
+# the layout the all-gather's copy-out reads, and what FSDP2 builds with
+# ``torch._chunk_cat``. Autograd spells it as the backward of the copy-out's views
+# (zero padding, ``view(world_size, -1)``, ``cat`` on dim 1); the ``lower`` pass
+# replaces that with this op. Left as aten ops, Inductor fuses each gradient's piece
+# into whichever kernel produced the gradient, differently in each block position
+# (the norms' weight gradients, the attention backward, pairs of weight gradients),
+# and compiles every variant: config B's backward had 20 distinct C++ kernels where
+# the unsharded model's has 7. As one opaque op per group, the gradient kernels no
+# longer depend on the reduction (17 distinct kernels; the cold step about 1.5 s
+# shorter, docs/benchmarks.md), and the copy is one ``_chunk_cat`` per group, the
+# kernel FSDP2 runs. ``gather_buffers`` turns it into ``reduce_scatter_input_into_`` on a
+# buffer Inductor plans, for the reason in [Note: planned all-gather buffers].
+
+
+def _check_grads(op_name: str, unsharded_grads: Sequence[torch.Tensor]) -> None:
+    torch._check(len(unsharded_grads) > 0, lambda: f"fsdp::{op_name} needs at least one gradient")
+    dtypes = {grad.dtype for grad in unsharded_grads}
+    torch._check(len(dtypes) == 1, lambda: f"fsdp::{op_name} needs one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _reduce_scatter_input_numel(unsharded_grads: Sequence[torch.Tensor], world_size) -> int:
+    padded_rows = [(grad.size(0) + world_size - 1) // world_size for grad in unsharded_grads]
+    return world_size * sum(rows * grad[0].numel() for rows, grad in zip(padded_rows, unsharded_grads))
+
+
+def _reduce_scatter_input_kernel(unsharded_grads, world_size):
+    _check_grads("reduce_scatter_input", unsharded_grads)
+    return torch._chunk_cat(unsharded_grads, 0, world_size).view(-1)
+
+
+def _reduce_scatter_input_meta(unsharded_grads, world_size):
+    _check_grads("reduce_scatter_input", unsharded_grads)
+    return unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size))
+
+
+def _check_reduce_scatter_input_into(output, unsharded_grads, world_size) -> None:
+    _check_grads("reduce_scatter_input_into_", unsharded_grads)
+    numel = _reduce_scatter_input_numel(unsharded_grads, world_size)
+    torch._check(
+        output.dim() == 1 and output.numel() == numel and output.is_contiguous(),
+        lambda: (
+            f"fsdp::reduce_scatter_input_into_: needs a contiguous 1-D output of {numel} elements, "
+            f"got shape {tuple(output.shape)}"
+        ),
+    )
+    _check_same_dtype("reduce_scatter_input_into_", output, unsharded_grads[0])
+
+
+def _reduce_scatter_input_into_kernel(output, unsharded_grads, world_size):
+    _check_reduce_scatter_input_into(output, unsharded_grads, world_size)
+    torch._chunk_cat(unsharded_grads, 0, world_size, out=output.view(world_size, -1))
+
+
+def _reduce_scatter_input_into_meta(output, unsharded_grads, world_size):
+    _check_reduce_scatter_input_into(output, unsharded_grads, world_size)
+
+
 # all_to_all_into_ --------------------------------------------------------------------
 # An all-to-all of equal splits into a given output, asynchronous like
 # all_gather_send_recv_: the gloo reduction's exchange in Inductor's planned buffers
@@ -387,6 +452,8 @@ for _key in _BACKEND_KEYS:
     _lib.impl("all_gather_send_recv_", _all_gather_send_recv_kernel, _key)
     _lib.impl("all_to_all_into_", _all_to_all_into_kernel, _key)
     _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_kernel, _key)
+    _lib.impl("reduce_scatter_input", _reduce_scatter_input_kernel, _key)
+    _lib.impl("reduce_scatter_input_into_", _reduce_scatter_input_into_kernel, _key)
     _lib.impl("sum_shards", _sum_shards_kernel, _key)
     _lib.impl("set_", _set_kernel, _key)
     _lib.impl("resize_storage_", _resize_storage_kernel, _key)
@@ -394,6 +461,8 @@ _lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
 _lib.impl("all_gather_send_recv_", _all_gather_send_recv_meta, "Meta")
 _lib.impl("all_to_all_into_", _all_to_all_into_meta, "Meta")
 _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_meta, "Meta")
+_lib.impl("reduce_scatter_input", _reduce_scatter_input_meta, "Meta")
+_lib.impl("reduce_scatter_input_into_", _reduce_scatter_input_into_meta, "Meta")
 _lib.impl("sum_shards", _sum_shards_meta, "Meta")
 _lib.impl("set_", _set_kernel, "Meta")
 _lib.impl("resize_storage_", _resize_storage_meta, "Meta")
@@ -414,6 +483,8 @@ all_gather_into = torch.ops.fsdp.all_gather_into.default
 all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
 all_to_all_into_ = torch.ops.fsdp.all_to_all_into_.default
 reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
+reduce_scatter_input = torch.ops.fsdp.reduce_scatter_input.default
+reduce_scatter_input_into_ = torch.ops.fsdp.reduce_scatter_input_into_.default
 sum_shards = torch.ops.fsdp.sum_shards.default
 set_ = torch.ops.fsdp.set_.default
 resize_storage_ = torch.ops.fsdp.resize_storage_.default

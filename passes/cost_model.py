@@ -167,6 +167,8 @@ def _input_values(node: fx.Node) -> tuple[tuple, dict]:
 _UNDECLARED_VIEWS = {aten._unsafe_view.default}
 # Ops that only allocate: memory, but no kernel.
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default}
+# Synchronous copies into their first argument, returning nothing: they cost what they move.
+_FILLS = {fsdp.reduce_scatter_input_into_.default}
 # Declared as views, but they copy a non-contiguous input.
 _VIEWS_IF_CONTIGUOUS = {aten.reshape.default, aten.contiguous.default}
 
@@ -252,7 +254,7 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
     """Seconds ``node`` occupies the compute lane: ``max(flops / peak, bytes / bandwidth) + kernel overhead``.
 
     0 for placeholders and outputs, views, allocations (``empty``), nodes that produce
-    no tensor (size arithmetic, storage ops), collectives (issuing costs nothing, see
+    no tensor (size arithmetic, storage ops) other than copies into a given buffer, collectives (issuing costs nothing, see
     ``simulate``) and ``wait_tensor``. The matmul peak is the one of the first tensor
     input's dtype. A compile region (``invoke_subgraph``) costs what its nodes cost.
     """
@@ -264,7 +266,7 @@ def compute_seconds(node: fx.Node, profile: HardwareProfile) -> float:
         or node.target in _ALLOCATIONS
         or node.target is c10d.wait_tensor.default
         or is_collective(node)
-        or not _tensors(node.meta.get("val"))
+        or not (_tensors(node.meta.get("val")) or node.target in _FILLS)
     ):
         return 0.0
     inputs = _input_values(node)

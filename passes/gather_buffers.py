@@ -1,4 +1,4 @@
-"""gather_buffers: all-gathers (and gloo's reduction all-to-alls) write into buffers Inductor allocates.
+"""gather_buffers: all-gathers, reduction inputs (and gloo's reduction all-to-alls) write into buffers Inductor allocates.
 
 [Note: planned all-gather buffers]
 A functional ``all_gather_into_tensor`` allocates its output inside the collective,
@@ -25,6 +25,11 @@ reduce-scatter]) becomes ``fsdp.all_to_all_into_(buffer, gradient, ...)``: the s
 page faults, once per group in backward. Both fill their first argument and return
 nothing, so their waits read the buffer (``waited_node``); their inputs get the
 same second wait.
+
+A group's reduction input (``fsdp.reduce_scatter_input``, [Note: one reduction input
+per group] in ``compile_shard.ops``) is an opaque op too, and as large as the gathered
+group: it becomes ``fsdp.reduce_scatter_input_into_`` on a planned buffer. It is
+synchronous, so it needs no wait.
 
 Runs on the partitioned graphs for Inductor only, after ``reorder``: other backends
 run the graph eagerly and have no planner to hand buffers to.
@@ -70,7 +75,7 @@ def _rewrite(graph: fx.Graph, collective: fx.Node, out_variant, *args) -> None:
 
 
 def gather_into_planned_buffers(graph: fx.Graph) -> int:
-    """Gives each all-gather (and gloo all-to-all) a buffer Inductor allocates; returns how many it rewrote."""
+    """Gives each all-gather, reduction input (and gloo all-to-all) a buffer Inductor allocates; returns how many it rewrote."""
     rewritten = 0
     for gather in list(graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)):
         output = gather.meta["val"]
@@ -87,5 +92,15 @@ def gather_into_planned_buffers(graph: fx.Graph) -> int:
             continue
         world_size = len(output_split_sizes)
         _rewrite(graph, exchange, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
+        rewritten += 1
+    for reduction_input in list(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)):
+        if not is_concrete_int(reduction_input.meta["val"].numel()):
+            continue
+        insert = NodeInserter(graph, reduction_input, reduction_input)
+        unsharded_grads, world_size = reduction_input.args
+        buffer = insert(aten.new_empty.default, unsharded_grads[0], [reduction_input.meta["val"].numel()])
+        insert(fsdp.reduce_scatter_input_into_.default, buffer, unsharded_grads, world_size)
+        reduction_input.replace_all_uses_with(buffer)
+        graph.erase_node(reduction_input)
         rewritten += 1
     return rewritten

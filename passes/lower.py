@@ -3,7 +3,10 @@
 Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` custom
 op would reach it as an opaque synchronous fallback. After this pass the copy-in
 (flatten, pad, concatenate) and the averaging division are plain aten ops that
-Inductor fuses, and the collectives are the ones it understands. On gloo a gradient
+Inductor fuses, and the collectives are the ones it understands. A reduction's input,
+which autograd built from the gradients as padding, views and a ``cat``, becomes one
+``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse on purpose
+([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a gradient
 reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and averages
 ([Note: gloo reduce-scatter] in ``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
 annotation, recompute tags), so the partitioner treats the lowered chain exactly as
@@ -52,10 +55,79 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_PADDING = (aten.slice_backward.default, aten.cat.default)
+
+
+def _padded_gradient(piece: fx.Node, world_size: int) -> fx.Node | None:
+    """The gradient behind one ``[world_size, padded_numel]`` piece of a reduction input, if it is one.
+
+    Autograd pads a gradient to the gathered parameter's padded rows with
+    ``slice_backward`` (none when the rows divide evenly) and views it rank-major.
+    """
+    if piece.target not in _VIEWS:
+        return None
+    gradient = piece.args[0]
+    if gradient.target is aten.slice_backward.default:
+        sliced, _, dim, start, end, step = gradient.args
+        if (dim, start, step) != (0, 0, 1) or end < sliced.meta["val"].size(0):
+            return None
+        gradient = sliced
+    value = gradient.meta["val"]
+    if value.dim() == 0:
+        return None
+    padded_rows = -(-value.size(0) // world_size)
+    if list(piece.meta["val"].shape) != [world_size, padded_rows * value[0].numel()]:
+        return None
+    return gradient
+
+
+def _reduction_gradients(unsharded_grad: fx.Node, world_size: int) -> list[fx.Node] | None:
+    """The unsharded gradients a flat reduction input concatenates rank-major, or None.
+
+    A bucket's input (``bucket``) concatenates its groups' inputs the same way, one
+    level up: their gradients are collected in order.
+    """
+    if unsharded_grad.target not in _VIEWS or unsharded_grad.meta["val"].dim() != 1:
+        return None
+    concatenated = unsharded_grad.args[0]
+    if concatenated.target is not aten.cat.default or concatenated.args[1:] != (1,):
+        return None
+    if concatenated.meta["val"].dim() != 2 or concatenated.meta["val"].size(0) != world_size:
+        return None  # not rank-major
+    gradients = []
+    for piece in concatenated.args[0]:
+        nested = _reduction_gradients(piece.args[0], world_size) if piece.target in _VIEWS else None
+        if nested is None:
+            gradient = _padded_gradient(piece, world_size)
+            if gradient is None:
+                return None
+            nested = [gradient]
+        gradients += nested
+    return gradients
+
+
+def _erase_unused_padding(graph: fx.Graph, node: fx.Node) -> None:
+    """Erases a replaced reduction input: ``node`` and the views, pads and cats only it read."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if node.op == "call_function" and not node.users and node.target in (*_VIEWS, *_PADDING):
+            inputs = node.all_input_nodes
+            graph.erase_node(node)
+            stack.extend(inputs)
+
+
 def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
     unsharded_grad, world_size, group_name, *rest = node.args
     reduce_op = rest[0] if rest else node.kwargs.get("reduce_op", "avg")
     insert = NodeInserter(graph, node, node)
+    autograd_input = unsharded_grad
+    gradients = _reduction_gradients(unsharded_grad, world_size) if isinstance(world_size, int) else None
+    if gradients is not None and {g.meta["val"].dtype for g in gradients} != {unsharded_grad.meta["val"].dtype}:
+        gradients = None  # a cat that promoted dtypes: not a group's input
+    if gradients is not None:  # [Note: one reduction input per group] in compile_shard.ops
+        unsharded_grad = insert(fsdp.reduce_scatter_input.default, gradients, world_size)
     shard_numel = node.meta["val"].numel()
     if reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
         split_sizes = [int(shard_numel)] * world_size
@@ -71,6 +143,8 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
             sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
     node.replace_all_uses_with(sharded_grad)
     graph.erase_node(node)
+    if gradients is not None:
+        _erase_unused_padding(graph, autograd_input)
 
 
 def lower(graph: fx.Graph) -> int:

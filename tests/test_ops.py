@@ -54,6 +54,33 @@ def test_sum_shards_rejects_uneven_buffers_and_unknown_reductions():
         torch.ops.fsdp.sum_shards(torch.randn(9), 3, "max")
 
 
+def _uneven_gradients():
+    # A transposed weight gradient (as matmul backward returns it) and a bias: 3 and 1 padded rows per rank.
+    return [torch.randn(4, 5).t(), torch.randn(2)]
+
+
+def test_opcheck_reduce_scatter_input():
+    opcheck(torch.ops.fsdp.reduce_scatter_input.default, (_uneven_gradients(), 2))
+    opcheck(torch.ops.fsdp.reduce_scatter_input_into_.default, (torch.empty(26), _uneven_gradients(), 2))
+
+
+def test_reduce_scatter_input_pads_each_gradient_and_lays_the_ranks_out_in_order():
+    weight_grad, bias_grad = _uneven_gradients()
+    padded_weight = torch.cat([weight_grad, weight_grad.new_zeros(1, 4)]).view(2, 12)
+    expected = torch.cat([padded_weight, bias_grad.view(2, 1)], 1).view(-1)  # [rank 0: w, b, rank 1: w, b]
+    assert torch.equal(torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], 2), expected)
+    output = torch.full((26,), float("nan"))
+    torch.ops.fsdp.reduce_scatter_input_into_(output, [weight_grad, bias_grad], 2)
+    assert torch.equal(output, expected)
+
+
+def test_reduce_scatter_input_rejects_mixed_dtypes_and_a_wrong_output():
+    with pytest.raises(RuntimeError, match="fsdp::reduce_scatter_input needs one dtype"):
+        torch.ops.fsdp.reduce_scatter_input([torch.randn(2), torch.randn(2, dtype=torch.float64)], 2)
+    with pytest.raises(RuntimeError, match="fsdp::reduce_scatter_input_into_: needs a contiguous 1-D output of 26"):
+        torch.ops.fsdp.reduce_scatter_input_into_(torch.empty(24), _uneven_gradients(), 2)
+
+
 def test_opcheck_set_():
     opcheck(torch.ops.fsdp.set_.default, (torch.randn(4), torch.randn(2, 3)))
 

@@ -192,6 +192,64 @@ def test_lower_reduce_scatter_on_gloo_exchanges_shards_and_sums_them(reduce_op, 
     verify(graph_module.graph)
 
 
+def _reduction_input(padded, world_size=WORLD):
+    """What autograd builds for a group's reduction input: each gradient padded, viewed rank-major, concatenated."""
+    pieces = []
+    for gradient, rows in padded:
+        if rows != gradient.size(0):
+            gradient = aten.slice_backward(gradient, [rows, *gradient.shape[1:]], 0, 0, gradient.size(0), 1)
+        pieces.append(gradient.view(world_size, -1))
+    return torch.cat(pieces, 1).view(-1)
+
+
+def _uneven_group_input(weight_grad, bias_grad):
+    """The uneven group of ``_gather_and_use``: a [5, 4] weight padded to 6 rows, a [3] bias padded to 4."""
+    return _reduction_input([(weight_grad, 6), (bias_grad, 4)])
+
+
+def _bucket_input(weight_grad, bias_grad, other_grad):
+    """``bucket``'s merged input: two groups' reduction inputs, concatenated rank-major once more."""
+    first = _uneven_group_input(weight_grad, bias_grad)
+    second = _reduction_input([(other_grad, 4)])
+    return torch.cat([first.view(WORLD, -1), second.view(WORLD, -1)], 1).view(-1)
+
+
+@pytest.mark.parametrize(
+    "reduction_input, shapes",
+    [(_uneven_group_input, [(5, 4), (3,)]), (_bucket_input, [(5, 4), (3,), (4, 2)])],
+    ids=["group", "bucket"],
+)
+def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_input(reduction_input, shapes):
+    def fn(*gradients):
+        return torch.ops.fsdp.reduce_scatter_grad(reduction_input(*gradients), WORLD, GROUP)
+
+    gradients = [torch.randn(shape) for shape in shapes]
+    graph_module = trace(fn, *gradients)
+    lower(graph_module.graph)
+    (replacement,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    assert replacement.args == (graph_module.graph.find_nodes(op="placeholder"), WORLD)
+    (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+    assert scatter.args[0] is replacement
+    # Autograd's padding, views and concatenations are gone: no kernel will fuse their pieces.
+    assert not [n for n in graph_module.graph.nodes if n.target in (aten.cat.default, aten.slice_backward.default)]
+    assert torch.equal(torch.ops.fsdp.reduce_scatter_input(gradients, WORLD), reduction_input(*gradients))
+    verify(graph_module.graph)
+
+
+def test_lower_keeps_a_reduction_input_that_is_not_rank_major_padding():
+    def fn(weight_grad, bias_grad):
+        # Rows padded in front, not at the end: not the copy-out's layout.
+        padded = aten.slice_backward(weight_grad, [6, 4], 0, 1, 6, 1)
+        flat = torch.cat([padded.view(WORLD, -1), bias_grad.view(WORLD, -1)], 1).view(-1)
+        return torch.ops.fsdp.reduce_scatter_grad(flat, WORLD, GROUP)
+
+    graph_module = trace(fn, torch.randn(5, 4), torch.randn(4))
+    lower(graph_module.graph)
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+    assert scatter.args[0].target is aten.view.default and scatter.args[0].args[0].target is aten.cat.default
+
+
 def test_lower_leaves_graphs_without_fsdp_ops_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = _code(graph_module)

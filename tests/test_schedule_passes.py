@@ -435,6 +435,24 @@ def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_t
         assert wait.next.target is c10d.wait_tensor.default and wait.next.args == (unsharded_grad,)
 
 
+def test_gather_buffers_gives_each_reduction_input_a_planned_buffer_with_the_same_values():
+    def fn(weight_grad, bias_grad):
+        return torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], 3) * 2
+
+    gradients = [torch.randn(5, 4), torch.randn(4)]
+    graph_module = trace(fn, *gradients)
+    expected = graph_module(*gradients)
+    _plan_buffers_keeping_the_simulated_step(graph_module.graph, rewrites=1)
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    (fill,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input_into_.default)
+    buffer, unsharded_grads, world_size = fill.args
+    # 2 padded rows of 4 and 2 padded entries per rank: [3 * 10] ([Note: one reduction input per group]).
+    assert buffer.target is aten.new_empty.default and buffer.meta["val"].shape == (30,) and world_size == 3
+    assert unsharded_grads == graph_module.graph.find_nodes(op="placeholder")
+    graph_module.recompile()
+    assert torch.equal(graph_module(*gradients), expected)
+
+
 def test_gather_buffers_leaves_graphs_without_gathers_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = graph_module.print_readable(print_output=False)
