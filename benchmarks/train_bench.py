@@ -231,9 +231,10 @@ def _switch_off_overlap_passes() -> list[str]:
 def _functional_collective_kinds() -> dict[object, str]:
     """Collectives by kind as compiled graphs hold them after the suite: ``_c10d_functional`` ones and gloo's.
 
-    On gloo, ``gather_buffers`` turns each all-gather into ``fsdp.all_gather_send_recv_``
-    ([Note: gloo all-gather] in ``compile_shard.ops``) and each reduction's all-to-all
-    into ``fsdp.all_to_all_into_``.
+    On gloo, ``gather_buffers`` turns each all-gather into ``fsdp.all_gather_params_``
+    or ``fsdp.all_gather_send_recv_`` ([Note: gloo all-gather] in ``compile_shard.ops``)
+    and each reduction's all-to-all into ``fsdp.all_to_all_grads_`` or
+    ``fsdp.all_to_all_into_``.
     """
     names = {
         "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
@@ -243,8 +244,9 @@ def _functional_collective_kinds() -> dict[object, str]:
     }
     functional = torch.ops._c10d_functional
     kinds = {getattr(functional, name): kind for kind, ops in names.items() for name in ops if hasattr(functional, name)}
-    kinds[torch.ops.fsdp.all_gather_send_recv_] = "all_gather"
-    kinds[torch.ops.fsdp.all_to_all_into_] = "all_to_all"
+    fsdp = torch.ops.fsdp
+    kinds.update({fsdp.all_gather_params_: "all_gather", fsdp.all_gather_send_recv_: "all_gather"})
+    kinds.update({fsdp.all_to_all_grads_: "all_to_all", fsdp.all_to_all_into_: "all_to_all"})
     return kinds
 
 

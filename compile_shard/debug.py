@@ -21,6 +21,7 @@ def _collective_kinds() -> dict[object, str]:
         "all_gather": [
             "fsdp.all_gather_into",
             "fsdp.all_gather_send_recv_",
+            "fsdp.all_gather_params_",
             "c10d._allgather_base_",
             "c10d.allgather_",
             "c10d.allgather_into_tensor_coalesced_",
@@ -39,6 +40,7 @@ def _collective_kinds() -> dict[object, str]:
         "all_reduce": ["c10d.allreduce_", "c10d.allreduce_coalesced_", "_c10d_functional.all_reduce"],
         "all_to_all": [
             "fsdp.all_to_all_into_",
+            "fsdp.all_to_all_grads_",
             "c10d.alltoall_base_",
             "c10d.alltoall_",
             "_c10d_functional.all_to_all_single",

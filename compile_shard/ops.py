@@ -25,7 +25,9 @@ from torch.library import Library
 
 __all__ = [
     "all_gather_into",
+    "all_gather_params_",
     "all_gather_send_recv_",
+    "all_to_all_grads_",
     "all_to_all_into_",
     "reduce_scatter_grad",
     "reduce_scatter_input",
@@ -44,6 +46,13 @@ _lib.define(
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
     "str group_name) -> ()"
+)
+_lib.define(
+    "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
+    "SymInt world_size, str group_name) -> ()"
+)
+_lib.define(
+    "all_to_all_grads_(Tensor(a!) received, Tensor[] unsharded_grads, SymInt world_size, str group_name) -> ()"
 )
 _lib.define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
@@ -188,21 +197,41 @@ def _wait_all(works):
     return wait
 
 
+class _Exchange:
+    """Point-to-point transfers of one op call on a gloo group, waited for together through its output.
+
+    Each ``exchange`` takes the group's next tag, in the same order on every rank, so
+    transfers in flight together never take each other's messages.
+    """
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.group = _resolve_process_group(group_name)
+        self.rank = self.group.rank()
+        self.peers = [peer for peer in range(self.group.size()) if peer != self.rank]
+        self.works = []
+
+    def exchange(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> None:
+        """Sends ``sends[peer]`` to every peer and receives ``receives[peer]`` from it; copies this rank's own."""
+        tag = next(_send_recv_tags.setdefault(self.group_name, itertools.count())) % _MAX_TAG
+        self.works += [self.group.recv([receives[peer]], peer, tag) for peer in self.peers]
+        self.works += [self.group.send([sends[peer]], peer, tag) for peer in self.peers]
+        receives[self.rank].copy_(sends[self.rank])
+
+    def register(self, output: torch.Tensor) -> None:
+        """Makes ``_c10d_functional.wait_tensor(output)`` wait for every transfer (or waits now)."""
+        if _CALLBACK_WORK is None:
+            for work in self.works:
+                work.wait()
+        else:
+            torch._C._distributed_c10d._register_work(output, _CALLBACK_WORK(_wait_all(self.works)))
+
+
 def _all_gather_send_recv_kernel(output, all_gather_input, world_size, group_name):
     _check_send_recv(all_gather_input, world_size, output)
-    group = _resolve_process_group(group_name)
-    rank = group.rank()
-    tag = next(_send_recv_tags.setdefault(group_name, itertools.count())) % _MAX_TAG
-    slots = output.view(world_size, -1)
-    peers = [peer for peer in range(world_size) if peer != rank]
-    works = [group.recv([slots[peer]], peer, tag) for peer in peers]
-    works += [group.send([all_gather_input], peer, tag) for peer in peers]
-    slots[rank].copy_(all_gather_input)
-    if _CALLBACK_WORK is None:
-        for work in works:
-            work.wait()
-    else:
-        torch._C._distributed_c10d._register_work(output, _CALLBACK_WORK(_wait_all(works)))
+    transfers = _Exchange(group_name)
+    transfers.exchange([all_gather_input] * world_size, output.view(world_size, -1))
+    transfers.register(output)
 
 
 def _check_send_recv(all_gather_input, world_size, output) -> None:
@@ -220,6 +249,105 @@ def _check_send_recv(all_gather_input, world_size, output) -> None:
 
 def _all_gather_send_recv_meta(output, all_gather_input, world_size, group_name):
     _check_send_recv(all_gather_input, world_size, output)
+
+
+# all_gather_params_, all_to_all_grads_ ------------------------------------------------
+# [Note: gloo exchange in place]
+# On gloo, the compiled graphs move parameters and gradients where they lie. The
+# general path copies a group's shards into one flat input (copy-in), gathers it
+# rank-major, and copies every parameter's rows back out of the rank-major buffer
+# (copy-out); a reduction copies the gradients rank-major (``reduce_scatter_input``)
+# before its all-to-all. Each of those copies is a kernel of the compiled graph that
+# moves the whole unsharded group on the cores the compute runs on, and a kernel
+# Inductor compiles. Point-to-point transfers need no common layout: each message
+# carries one parameter's shard from the sharded parameter into its rows of every
+# peer's unsharded parameter (``all_gather_params_``), or one gradient's rows to the
+# rank that owns them (``all_to_all_grads_``). Only this rank's own piece is copied,
+# and a piece shorter than its padded size (dim 0 not divisible by the world size)
+# is padded first, so that every receiver knows the size it receives.
+#
+# ``all_gather_params_`` fills a group's unsharded parameters one after another, each
+# ``[world_size * padded_numel]`` (its padded rows, rank by rank): the layout the
+# ``copy_out`` pass's concatenation produces, whose readers it replaces
+# (``gather_buffers``). ``all_to_all_grads_`` fills the rank-major buffer an all-to-all
+# of the group's reduction input (``reduce_scatter_input``) would have received, which
+# ``sum_shards`` adds. Both are asynchronous like ``all_gather_send_recv_``.
+
+
+def _padded_flat(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """``tensor`` flattened and zero-padded to ``numel`` elements, contiguous; a view where it can be."""
+    flat = tensor.reshape(-1)
+    return flat if flat.numel() == numel else F.pad(flat, (0, numel - flat.numel()))
+
+
+def _check_all_gather_params(unsharded_params, shards, padded_numels, world_size) -> None:
+    _check_shards(shards, padded_numels)
+    numel = world_size * sum(padded_numels)
+    torch._check(
+        unsharded_params.dim() == 1 and unsharded_params.numel() == numel and unsharded_params.is_contiguous(),
+        lambda: (
+            f"fsdp::all_gather_params_: needs a contiguous 1-D output of world_size * sum(padded_numels) = "
+            f"{numel} elements, got shape {tuple(unsharded_params.shape)}"
+        ),
+    )
+    for shard, padded_numel in zip(shards, padded_numels):
+        torch._check(
+            shard.numel() <= padded_numel,
+            lambda: (
+                f"fsdp::all_gather_params_: a shard of {shard.numel()} elements exceeds its padded numel "
+                f"{padded_numel}"
+            ),
+        )
+    _check_same_dtype("all_gather_params_", unsharded_params, shards[0])
+
+
+def _all_gather_params_kernel(unsharded_params, shards, padded_numels, world_size, group_name):
+    _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
+    transfers = _Exchange(group_name)
+    unsharded = unsharded_params.split([world_size * padded_numel for padded_numel in padded_numels])
+    for shard, padded_numel, unsharded_param in zip(shards, padded_numels, unsharded):
+        transfers.exchange([_padded_flat(shard, padded_numel)] * world_size, unsharded_param.view(world_size, -1))
+    transfers.register(unsharded_params)
+
+
+def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size, group_name):
+    _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
+
+
+def _check_all_to_all_grads(received, unsharded_grads, world_size) -> None:
+    _check_grads("all_to_all_grads_", unsharded_grads)
+    torch._check(
+        all(grad.dim() > 0 for grad in unsharded_grads),
+        lambda: "fsdp::all_to_all_grads_: every gradient needs a dim 0 to split",
+    )
+    numel = _reduce_scatter_input_numel(unsharded_grads, world_size)
+    torch._check(
+        received.dim() == 1 and received.numel() == numel and received.is_contiguous(),
+        lambda: (
+            f"fsdp::all_to_all_grads_: needs a contiguous 1-D output of {numel} elements, "
+            f"got shape {tuple(received.shape)}"
+        ),
+    )
+    _check_same_dtype("all_to_all_grads_", received, unsharded_grads[0])
+
+
+def _all_to_all_grads_kernel(received, unsharded_grads, world_size, group_name):
+    _check_all_to_all_grads(received, unsharded_grads, world_size)
+    transfers = _Exchange(group_name)
+    slots = received.view(world_size, -1)
+    offset = 0
+    for grad in unsharded_grads:
+        padded_rows = -(-grad.size(0) // world_size)
+        padded_numel = padded_rows * grad[0].numel()
+        chunks = [_padded_flat(rows, padded_numel) for rows in grad.split(max(padded_rows, 1))]
+        chunks += [grad.new_zeros(padded_numel)] * (world_size - len(chunks))  # ranks past the last row
+        transfers.exchange(chunks, slots[:, offset : offset + padded_numel])
+        offset += padded_numel
+    transfers.register(received)
+
+
+def _all_to_all_grads_meta(received, unsharded_grads, world_size, group_name):
+    _check_all_to_all_grads(received, unsharded_grads, world_size)
 
 
 # reduce_scatter_grad -----------------------------------------------------------------
@@ -449,7 +577,9 @@ def _resize_storage_functionalize(tensor, nbytes):
 
 for _key in _BACKEND_KEYS:
     _lib.impl("all_gather_into", _all_gather_into_kernel, _key)
+    _lib.impl("all_gather_params_", _all_gather_params_kernel, _key)
     _lib.impl("all_gather_send_recv_", _all_gather_send_recv_kernel, _key)
+    _lib.impl("all_to_all_grads_", _all_to_all_grads_kernel, _key)
     _lib.impl("all_to_all_into_", _all_to_all_into_kernel, _key)
     _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_kernel, _key)
     _lib.impl("reduce_scatter_input", _reduce_scatter_input_kernel, _key)
@@ -458,7 +588,9 @@ for _key in _BACKEND_KEYS:
     _lib.impl("set_", _set_kernel, _key)
     _lib.impl("resize_storage_", _resize_storage_kernel, _key)
 _lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
+_lib.impl("all_gather_params_", _all_gather_params_meta, "Meta")
 _lib.impl("all_gather_send_recv_", _all_gather_send_recv_meta, "Meta")
+_lib.impl("all_to_all_grads_", _all_to_all_grads_meta, "Meta")
 _lib.impl("all_to_all_into_", _all_to_all_into_meta, "Meta")
 _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_meta, "Meta")
 _lib.impl("reduce_scatter_input", _reduce_scatter_input_meta, "Meta")
@@ -480,7 +612,9 @@ torch.library.register_autograd(
 )
 
 all_gather_into = torch.ops.fsdp.all_gather_into.default
+all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
 all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
+all_to_all_grads_ = torch.ops.fsdp.all_to_all_grads_.default
 all_to_all_into_ = torch.ops.fsdp.all_to_all_into_.default
 reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
 reduce_scatter_input = torch.ops.fsdp.reduce_scatter_input.default

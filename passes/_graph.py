@@ -30,11 +30,15 @@ def group_annotation(node: fx.Node) -> dict[str, Any] | None:
 def waited_node(collective: fx.Node) -> fx.Node:
     """The node a ``wait_tensor`` reads to wait for ``collective``.
 
-    A collective's own result, except for ``fsdp.all_gather_send_recv_`` and
-    ``fsdp.all_to_all_into_``, which fill their first argument in place and return
-    nothing (see ``gather_buffers``).
+    A collective's own result, except for the gloo ops of ``gather_buffers``, which
+    fill their first argument in place and return nothing.
     """
-    in_place = (fsdp.all_gather_send_recv_.default, fsdp.all_to_all_into_.default)
+    in_place = (
+        fsdp.all_gather_send_recv_.default,
+        fsdp.all_gather_params_.default,
+        fsdp.all_to_all_into_.default,
+        fsdp.all_to_all_grads_.default,
+    )
     return collective.args[0] if collective.target in in_place else collective
 
 

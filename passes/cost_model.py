@@ -296,10 +296,12 @@ _COLLECTIVES = {
     c10d.all_gather_into_tensor.default: ("all_gather", 1, False),
     c10d.all_gather_into_tensor_out.default: ("all_gather", 1, False),
     fsdp.all_gather_send_recv_.default: ("all_gather", 2, False),
+    fsdp.all_gather_params_.default: ("all_gather", 3, False),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
     c10d.all_reduce.default: ("all_reduce", None, False),
     c10d.all_to_all_single.default: ("all_to_all", 1, False),
     fsdp.all_to_all_into_.default: ("all_to_all", 2, False),
+    fsdp.all_to_all_grads_.default: ("all_to_all", 2, False),
     fsdp.all_gather_into.default: ("all_gather", 2, True),
     fsdp.reduce_scatter_grad.default: ("reduce_scatter", 1, True),
 }
@@ -339,7 +341,7 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
                 f"{node.name}: no process group {node.args[2]!r} in this process to take the all_reduce's "
                 f"world size from; pass world_size"
             )
-    # fsdp.all_to_all_into_'s first argument is its output, of its input's size.
+    # The first argument of fsdp.all_to_all_into_ / all_to_all_grads_ is their output, of the input's size.
     buffer = waited_node(node).meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
     return CollectiveInfo(kind, size, tensor_bytes(buffer), synchronous)
 

@@ -31,11 +31,21 @@ per group] in ``compile_shard.ops``) is an opaque op too, and as large as the ga
 group: it becomes ``fsdp.reduce_scatter_input_into_`` on a planned buffer. It is
 synchronous, so it needs no wait.
 
+On gloo, where a group's chain has the shape ``lower`` and ``copy_out`` give it, the
+copies around the exchange go too ([Note: gloo exchange in place] in
+``compile_shard.ops``): the copy-in, the all-gather and the copy-out become one
+``fsdp.all_gather_params_`` from the shards into the buffer the copy-out's
+concatenation was, and a reduction input with its all-to-all one
+``fsdp.all_to_all_grads_`` from the gradients. Every shard and gradient gets a
+second wait, as above: the transfers read them until the wait.
+
 Runs on the partitioned graphs for Inductor only, after ``reorder``: other backends
 run the graph eagerly and have no planner to hand buffers to.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -74,6 +84,144 @@ def _rewrite(graph: fx.Graph, collective: fx.Node, out_variant, *args) -> None:
         NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, collective_input)
 
 
+def _keep_alive(graph: fx.Graph, wait: fx.Node, inputs: list[fx.Node]) -> None:
+    """A ``wait_tensor`` on each of ``inputs`` right after ``wait``: Inductor keeps them until the transfer is done."""
+    anchor = wait.next
+    for read in inputs:
+        NodeInserter(graph, anchor, wait)(c10d.wait_tensor.default, read)
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+# What a lowered copy-in, copy-out or reduction input is made of: erased once nothing reads it.
+_COPIES = (
+    *_VIEWS,
+    aten.cat.default,
+    aten.constant_pad_nd.default,
+    aten.clone.default,
+    aten.split_with_sizes.default,
+    operator.getitem,
+    fsdp.reduce_scatter_input.default,
+)
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _erase_unused(graph: fx.Graph, replaced: list[fx.Node]) -> None:
+    """Erases the ``replaced`` nodes, then every copy or view that only they read."""
+    stack, erased = list(replaced), set()
+    while stack:
+        node = stack.pop()
+        if node in erased or node.users or not (node in replaced or node.target in _COPIES):
+            continue
+        inputs = [arg for arg in node.all_input_nodes if arg.op == "call_function"]
+        graph.erase_node(node)
+        erased.add(node)
+        stack.extend(inputs)
+
+
+def _copied_in_shards(all_gather_input: fx.Node) -> tuple[list[fx.Node], list[int]] | None:
+    """The shards a lowered copy-in flattens, pads and concatenates, and their padded numels; or None."""
+    pieces = all_gather_input.args[0] if all_gather_input.target is aten.cat.default else [all_gather_input]
+    shards, padded_numels = [], []
+    for piece in pieces:
+        padded_numels.append(piece.meta["val"].numel())
+        if piece.target is aten.constant_pad_nd.default:
+            piece, padding, *value = piece.args
+            if len(padding) != 2 or padding[0] != 0 or (value and value[0] != 0):
+                return None
+        if piece.target not in _VIEWS or piece.meta["val"].dim() != 1:
+            return None
+        shards.append(piece.args[0])
+    if not all(is_concrete_int(numel) for numel in padded_numels):
+        return None
+    return shards, [int(numel) for numel in padded_numels]
+
+
+def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int) -> list[fx.Node] | None:
+    """Each parameter's copy in a lowered copy-out (the view of its clone), in gathered order; or None.
+
+    The copy-out views the rank-major buffer ``[world_size, -1]``, splits it into the
+    parameters' columns and clones each: parameter ``i``'s copy holds its padded rows
+    rank by rank, the ``i``-th segment of what ``all_gather_params_`` fills.
+    """
+    rank_major = _only_user(wait)
+    split = _only_user(rank_major) if rank_major is not None and rank_major.target in _VIEWS else None
+    if split is None or split.target is not aten.split_with_sizes.default:
+        return None
+    if list(rank_major.meta["val"].shape) != [world_size, sum(padded_numels)]:
+        return None
+    if list(split.args[1]) != padded_numels or split.args[2:] != (1,):
+        return None
+    copies = [None] * len(padded_numels)
+    for getitem in split.users:
+        clone = _only_user(getitem)
+        copy = _only_user(clone) if clone is not None and clone.target is aten.clone.default else None
+        if getitem.target is not operator.getitem or copy is None or copy.target not in _VIEWS:
+            return None
+        copies[getitem.args[1]] = copy
+    return copies if all(copy is not None for copy in copies) else None
+
+
+def _gather_params_in_place(graph: fx.Graph, gather: fx.Node) -> bool:
+    """A gloo group's copy-in, all-gather and copy-out become ``fsdp.all_gather_params_``; False for another shape."""
+    all_gather_input, world_size, group_name = gather.args
+    wait = _only_user(gather)
+    copied_in = _copied_in_shards(all_gather_input)
+    if wait is None or wait.target is not c10d.wait_tensor.default or copied_in is None:
+        return False
+    shards, padded_numels = copied_in
+    copies = _copied_out_params(wait, padded_numels, world_size)
+    if copies is None:
+        return False
+    insert = NodeInserter(graph, gather, gather)
+    unsharded_params = insert(aten.new_empty.default, shards[0], [world_size * sum(padded_numels)])
+    insert(fsdp.all_gather_params_.default, unsharded_params, shards, padded_numels, world_size, group_name)
+    wait.replace_input_with(gather, unsharded_params)
+    concatenated = _only_user(copies[0])
+    if concatenated is not None and concatenated.target is aten.cat.default and concatenated.args[0] == copies:
+        concatenated.replace_all_uses_with(wait)  # the copy_out pass's concatenation: the same layout
+        replaced = [gather, concatenated]
+    else:
+        replaced = [gather, *copies]
+        insert = NodeInserter(graph, wait.next, wait)
+        offset = 0
+        for copy, padded_numel in zip(copies, padded_numels):
+            segment = insert(aten.slice.Tensor, wait, 0, offset, offset + world_size * padded_numel)
+            copy.replace_all_uses_with(insert(aten.view.default, segment, list(copy.meta["val"].shape)))
+            offset += world_size * padded_numel
+    _keep_alive(graph, wait, shards)
+    _erase_unused(graph, replaced)
+    return True
+
+
+def _exchange_grads_in_place(graph: fx.Graph, exchange: fx.Node) -> bool:
+    """A gloo reduction input and its all-to-all become ``fsdp.all_to_all_grads_``; False for another shape."""
+    unsharded_grad, _, _, group_name = exchange.args
+    reduction_input = unsharded_grad
+    if reduction_input.target in _VIEWS and len(reduction_input.users) == 1:
+        reduction_input = reduction_input.args[0]
+    wait = _only_user(exchange)
+    if (
+        reduction_input.target is not fsdp.reduce_scatter_input.default
+        or len(reduction_input.users) != 1
+        or wait is None
+        or wait.target is not c10d.wait_tensor.default
+    ):
+        return False
+    unsharded_grads, world_size = reduction_input.args
+    insert = NodeInserter(graph, exchange, exchange)
+    received = insert(aten.new_empty.default, unsharded_grads[0], list(exchange.meta["val"].shape))
+    insert(fsdp.all_to_all_grads_.default, received, unsharded_grads, world_size, group_name)
+    wait.replace_input_with(exchange, received)
+    _keep_alive(graph, wait, list(unsharded_grads))
+    _erase_unused(graph, [exchange])
+    return True
+
+
 def gather_into_planned_buffers(graph: fx.Graph) -> int:
     """Gives each all-gather, reduction input (and gloo all-to-all) a buffer Inductor allocates; returns how many it rewrote."""
     rewritten = 0
@@ -82,7 +230,8 @@ def gather_into_planned_buffers(graph: fx.Graph) -> int:
         if not all(is_concrete_int(size) for size in output.shape):
             continue  # dynamic shapes: no fixed-size buffer to plan
         if gathers_by_send_recv(gather.args[2], output.device):
-            _rewrite(graph, gather, fsdp.all_gather_send_recv_.default, *gather.args)
+            if not _gather_params_in_place(graph, gather):
+                _rewrite(graph, gather, fsdp.all_gather_send_recv_.default, *gather.args)
         else:
             _rewrite(graph, gather, c10d.all_gather_into_tensor_out.default, *gather.args)
         rewritten += 1
@@ -91,7 +240,8 @@ def gather_into_planned_buffers(graph: fx.Graph) -> int:
         if not (_equal_splits(exchange) and reduces_by_all_to_all(group_name, exchange.meta["val"].device)):
             continue
         world_size = len(output_split_sizes)
-        _rewrite(graph, exchange, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
+        if not _exchange_grads_in_place(graph, exchange):
+            _rewrite(graph, exchange, fsdp.all_to_all_into_.default, unsharded_grad, world_size, group_name)
         rewritten += 1
     for reduction_input in list(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)):
         if not is_concrete_int(reduction_input.meta["val"].numel()):

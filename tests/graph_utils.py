@@ -41,10 +41,12 @@ def op_counts(graph: fx.Graph) -> Counter:
         c10d.all_gather_into_tensor.default: "all_gather",
         c10d.all_gather_into_tensor_out.default: "all_gather_out",
         fsdp.all_gather_send_recv_.default: "all_gather_send_recv_",
+        fsdp.all_gather_params_.default: "all_gather_params_",
         c10d.reduce_scatter_tensor.default: "reduce_scatter",
         c10d.all_reduce.default: "all_reduce",
         c10d.all_to_all_single.default: "all_to_all",
         fsdp.all_to_all_into_.default: "all_to_all_into_",
+        fsdp.all_to_all_grads_.default: "all_to_all_grads_",
         c10d.wait_tensor.default: "wait",
     }
     return Counter(names[node.target] for node in graph.nodes if node.target in names)

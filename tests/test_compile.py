@@ -159,11 +159,13 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     assert len(outer_graphs) == (2 if backend == "inductor" else 0)
     for counts in outer_graphs:
         # On gloo every all-gather and every reduction's exchange write into Inductor's
-        # buffers ([Note: gloo all-gather], passes/gather_buffers.py).
-        assert counts["all_gather_send_recv_"] > 0 and not counts["all_gather_out"], counts
-        assert not counts["all_gather"] and not counts["all_to_all"], counts
+        # buffers ([Note: gloo all-gather], passes/gather_buffers.py), straight from the
+        # shards and the gradients ([Note: gloo exchange in place]).
+        assert counts["all_gather_params_"] > 0, counts
+        assert not counts["all_gather_send_recv_"] and not counts["all_to_all_into_"], counts
+        assert not counts["all_gather"] and not counts["all_gather_out"] and not counts["all_to_all"], counts
     if outer_graphs:
-        assert outer_graphs[1]["all_to_all_into_"] > 0, outer_graphs[1]
+        assert outer_graphs[1]["all_to_all_grads_"] > 0, outer_graphs[1]
     if backend == "scheduled" and bucket_cap_mb:
         # The blocks share one bucket; the root (no resharding) cannot join them.
         assert op_counts(capture.forward_graphs[0].graph)["all_gather"] == 2

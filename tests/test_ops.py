@@ -204,6 +204,28 @@ def _gloo_in_place_collectives(rank, world_size):
     assert torch.equal(received, expected)
     assert torch._C._distributed_c10d._get_work_registry_size() == 0
 
+    # Per parameter, straight from the shards and the gradients ([Note: gloo exchange in place]):
+    # a (5, 3) weight and a (4,) bias, dim 0 uneven over 2 and 3 ranks (the last rank's
+    # bias shard is empty with 3), a transposed (non-contiguous) gradient.
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(5, 3, generator=generator), torch.randn(4, generator=generator)
+    padded_rows = [-(-5 // world_size), -(-4 // world_size)]
+    shards = [full[rank * rows : (rank + 1) * rows] for full, rows in zip((weight, bias), padded_rows)]
+    padded_numels = [3 * padded_rows[0], padded_rows[1]]
+    unsharded_params = torch.full((world_size * sum(padded_numels),), float("nan"))
+    torch.ops.fsdp.all_gather_params_(unsharded_params, shards, padded_numels, world_size, group_name)
+    gradients = [torch.randn(3, 5).t() * (rank + 1), torch.randn(4) - rank]
+    received = torch.full((world_size * sum(padded_numels),), float("nan"))
+    torch.ops.fsdp.all_to_all_grads_(received, gradients, world_size, group_name)
+    funcol.wait_tensor(received)
+    funcol.wait_tensor(unsharded_params)
+    weight_segment, bias_segment = unsharded_params.split([world_size * numel for numel in padded_numels])
+    assert torch.equal(weight_segment[:15].view(5, 3), weight) and torch.equal(bias_segment[:4], bias)
+    expected = torch.empty_like(received)
+    dist.all_to_all_single(expected, torch.ops.fsdp.reduce_scatter_input(gradients, world_size))
+    assert torch.equal(received, expected)
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
+
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_in_place_collectives_match_torch_distributed_on_gloo(world_size):
@@ -224,3 +246,16 @@ def test_all_gather_send_recv_rejects_a_wrong_output():
         torch.ops.fsdp.all_gather_send_recv_(
             torch.empty(6, device="meta", dtype=torch.float16), torch.empty(3, device="meta"), 2, "0"
         )
+
+
+def test_in_place_parameter_exchanges_reject_wrong_outputs():
+    shards, meta = [torch.empty(2, 3, device="meta"), torch.empty(2, device="meta")], "meta"
+    expected = r"fsdp::all_gather_params_: needs a contiguous 1-D output of world_size \* sum\(padded_numels\) = 16"
+    with pytest.raises(RuntimeError, match=expected):
+        torch.ops.fsdp.all_gather_params_(torch.empty(15, device=meta), shards, [6, 2], 2, "0")
+    with pytest.raises(RuntimeError, match="fsdp::all_gather_params_: a shard of 6 elements exceeds its padded numel 4"):
+        torch.ops.fsdp.all_gather_params_(torch.empty(12, device=meta), shards, [4, 2], 2, "0")
+    with pytest.raises(RuntimeError, match="fsdp::all_to_all_grads_: needs a contiguous 1-D output of 12 elements"):
+        torch.ops.fsdp.all_to_all_grads_(torch.empty(6, 2, device=meta), [torch.empty(3, 3, device=meta)], 2, "0")
+    with pytest.raises(RuntimeError, match="fsdp::all_to_all_grads_: every gradient needs a dim 0 to split"):
+        torch.ops.fsdp.all_to_all_grads_(torch.empty(2, device=meta), [torch.empty((), device=meta)], 2, "0")

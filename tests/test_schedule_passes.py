@@ -11,6 +11,7 @@ import torch.fx as fx
 from compile_shard._group import GROUP_ANNOTATION
 from compile_shard.passes import (
     bucket,
+    copy_out,
     gather_into_planned_buffers,
     keep_fx_order,
     lower,
@@ -451,6 +452,117 @@ def test_gather_buffers_gives_each_reduction_input_a_planned_buffer_with_the_sam
     assert unsharded_grads == graph_module.graph.find_nodes(op="placeholder")
     graph_module.recompile()
     assert torch.equal(graph_module(*gradients), expected)
+
+
+def _gather_use_and_reduce(world_size=WORLD, group_name=GROUP):
+    """A group of a (5, 4) weight and a (5,) bias gathered and copied out as the runtime traces it, and a reduction."""
+    padded_rows = -(-5 // world_size)
+    padded_numels = [4 * padded_rows, padded_rows]
+
+    def fn(shard_w, shard_b, x, grad_w, grad_b):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], padded_numels, world_size, group_name)
+        per_rank_w, per_rank_b = gathered.view(world_size, -1).split(padded_numels, dim=1)
+        weight = per_rank_w.clone().view(-1, 4)[:5]
+        bias = per_rank_b.clone().view(-1)[:5]
+        reduction_input = torch.ops.fsdp.reduce_scatter_input([grad_w * 2, grad_b * 2], world_size)
+        return x @ weight.t() + bias, torch.ops.fsdp.reduce_scatter_grad(reduction_input, world_size, group_name)
+
+    return fn
+
+
+def _in_place_inputs(rank, world_size):
+    padded_rows = -(-5 // world_size)
+    rows = slice(rank * padded_rows, (rank + 1) * padded_rows)  # uneven: the last ranks hold fewer rows
+    generator = torch.Generator().manual_seed(0)
+    weight, bias, x = torch.randn(5, 4, generator=generator), torch.randn(5, generator=generator), torch.randn(3, 4)
+    return weight[rows], bias[rows], x, torch.randn(5, 4) * (rank + 1), torch.randn(5) * (rank + 1)
+
+
+def _lowered_with_copy_out(fn, inputs):
+    graph_module = trace(fn, *inputs)
+    _annotate(graph_module.graph, ["a"])
+    lower(graph_module.graph)
+    copy_out(graph_module.graph)
+    return graph_module
+
+
+def _gather_on_gloo(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("compile_shard.passes.gather_buffers"), "gathers_by_send_recv", lambda *_: True)
+
+
+def test_gather_buffers_on_gloo_exchanges_shards_and_gradients_in_place(monkeypatch):
+    for name in ("lower", "gather_buffers"):  # a gloo group
+        pass_module = importlib.import_module(f"compile_shard.passes.{name}")
+        monkeypatch.setattr(pass_module, "reduces_by_all_to_all", lambda *_: True)
+    _gather_on_gloo(monkeypatch)
+    graph_module = _lowered_with_copy_out(_gather_use_and_reduce(), _in_place_inputs(1, WORLD))
+    graph = graph_module.graph
+    before = simulate(graph, get_profile("cpu_gloo"))
+    assert gather_into_planned_buffers(graph) == 2
+    verify(graph)
+    shard_w, shard_b, _, grad_w, grad_b = graph.find_nodes(op="placeholder")
+    # No copy-in, copy-out or reduction input is left: [Note: gloo exchange in place].
+    copies = (aten.clone.default, aten.cat.default, aten.constant_pad_nd.default, fsdp.reduce_scatter_input.default)
+    for target in copies:
+        assert not graph.find_nodes(op="call_function", target=target), target
+    (gather,) = graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
+    unsharded_params, shards, padded_numels, world_size, _ = gather.args
+    assert shards == [shard_w, shard_b] and padded_numels == [12, 3] and world_size == WORLD
+    assert unsharded_params.target is aten.new_empty.default and unsharded_params.meta["val"].shape == (30,)
+    (wait,) = [user for user in unsharded_params.users if user is not gather]
+    # The parameters read their segments of the filled buffer: 2 ranks x 12 weight, then 2 x 3 bias elements.
+    segments = sorted(user.args[2:] for user in wait.users if user.target is aten.slice.Tensor)
+    assert segments == [(0, 24), (24, 30)]
+    (exchange,) = graph.find_nodes(op="call_function", target=fsdp.all_to_all_grads_.default)
+    received, gradients, world_size, _ = exchange.args
+    assert [g.target for g in gradients] == [aten.mul.Tensor] * 2 and gradients[0].args[0] is grad_w
+    (exchange_wait,) = [user for user in received.users if user is not exchange]
+    assert [user.target for user in exchange_wait.users] == [fsdp.sum_shards.default]
+    # The transfers read the shards and gradients until their waits: one more wait on each.
+    for wait_node, read in ((wait, [shard_w, shard_b]), (exchange_wait, gradients)):
+        kept = [wait_node.next, wait_node.next.next]
+        assert [node.target for node in kept] == [c10d.wait_tensor.default] * 2
+        assert [node.args[0] for node in kept] == read
+    after = simulate(graph, get_profile("cpu_gloo"))
+    assert after.peak_memory_bytes < before.peak_memory_bytes
+    assert after.step_seconds < before.step_seconds
+
+
+def test_gather_buffers_keeps_the_copies_of_a_gather_whose_buffer_is_saved(monkeypatch):
+    _gather_on_gloo(monkeypatch)
+
+    def gather_and_save(shard_w, shard_b, x, grad_w, grad_b):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 3], WORLD, GROUP)
+        per_rank_w, _ = gathered.view(WORLD, -1).split([12, 3], dim=1)
+        return x @ per_rank_w.clone().view(-1, 4)[:5].t(), gathered  # the buffer leaves the graph
+
+    graph_module = _lowered_with_copy_out(gather_and_save, _in_place_inputs(0, WORLD))
+    assert gather_into_planned_buffers(graph_module.graph) == 1
+    verify(graph_module.graph)
+    assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_send_recv_.default)
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
+
+
+def _in_place_exchange_computes_the_same(rank, world_size):
+    import torch.distributed as dist
+
+    inputs = _in_place_inputs(rank, world_size)
+    fn = _gather_use_and_reduce(world_size, dist.group.WORLD.group_name)
+    graph_module = _lowered_with_copy_out(fn, inputs)  # fake tensors in meta, real collectives when run
+    graph_module.recompile()
+    expected = graph_module(*inputs)
+    assert gather_into_planned_buffers(graph_module.graph) == 2
+    assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
+    assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_to_all_grads_.default)
+    graph_module.recompile()
+    for _ in range(2):  # the second call reuses the tags' order on every rank
+        for value, expected_value in zip(graph_module(*inputs), expected):
+            assert torch.equal(value, expected_value)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_in_place_gloo_exchange_computes_what_the_copies_compute(world_size):
+    run_gloo(_in_place_exchange_computes_the_same, world_size)
 
 
 def test_gather_buffers_leaves_graphs_without_gathers_alone():
