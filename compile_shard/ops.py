@@ -190,9 +190,23 @@ def _check_same_dtype(op_name: str, output: torch.Tensor, input: torch.Tensor) -
     )
 
 
-def _wait_all(works):
-    def wait(timeout) -> bool:
-        return all(work.wait(timeout) for work in works)
+# A message per piece costs the calling thread about 0.1 ms on gloo over loopback
+# (benchmarks: 20 exchanges of 64 floats took 3.3 to 3.7 ms, one of their concatenation
+# 1.6 to 2.6 ms), the time of copying a few hundred KiB: smaller pieces share one.
+_PACK_BELOW_BYTES = 256 * 2**10
+
+
+def _waiter(works, unpacks):
+    """``fn(timeout) -> bool`` for ``PythonCallbackWork``: waits for ``works``, then copies received packs out."""
+
+    def wait(timeout=None) -> bool:
+        if not all(work.wait() if timeout is None else work.wait(timeout) for work in works):
+            return False
+        while unpacks:
+            packed, pieces = unpacks.pop()
+            for piece, received in zip(pieces, packed.split([piece.numel() for piece in pieces])):
+                piece.copy_(received.view_as(piece))
+        return True
 
     return wait
 
@@ -200,7 +214,7 @@ def _wait_all(works):
 class _Exchange:
     """Point-to-point transfers of one op call on a gloo group, waited for together through its output.
 
-    Each ``exchange`` takes the group's next tag, in the same order on every rank, so
+    Each message takes the group's next tag, in the same order on every rank, so
     transfers in flight together never take each other's messages.
     """
 
@@ -210,21 +224,51 @@ class _Exchange:
         self.rank = self.group.rank()
         self.peers = [peer for peer in range(self.group.size()) if peer != self.rank]
         self.works = []
+        self.unpacks = []
+        self.small_sends = [[] for _ in range(self.group.size())]
+        self.small_receives = [[] for _ in range(self.group.size())]
 
     def exchange(self, sends: Sequence[torch.Tensor], receives: Sequence[torch.Tensor]) -> None:
-        """Sends ``sends[peer]`` to every peer and receives ``receives[peer]`` from it; copies this rank's own."""
+        """Sends ``sends[peer]`` to every peer and receives ``receives[peer]`` from it; copies this rank's own.
+
+        Pieces under ``_PACK_BELOW_BYTES`` wait for ``register``, which sends them together.
+        Every rank passes pieces of the same sizes, so all ranks agree on what is packed.
+        """
+        if sends[self.rank].numel() * sends[self.rank].element_size() < _PACK_BELOW_BYTES:
+            for peer, (send, receive) in enumerate(zip(sends, receives)):
+                self.small_sends[peer].append(send)
+                self.small_receives[peer].append(receive)
+            return
+        self._post([[send] for send in sends], [[receive] for receive in receives])
+
+    def _post(self, sends: Sequence[list[torch.Tensor]], receives: Sequence[list[torch.Tensor]]) -> None:
+        """One message per peer; a peer's several pieces travel concatenated and are copied out on wait."""
         tag = next(_send_recv_tags.setdefault(self.group_name, itertools.count())) % _MAX_TAG
-        self.works += [self.group.recv([receives[peer]], peer, tag) for peer in self.peers]
-        self.works += [self.group.send([sends[peer]], peer, tag) for peer in self.peers]
-        receives[self.rank].copy_(sends[self.rank])
+        for peer in self.peers:
+            if len(receives[peer]) == 1:
+                self.works.append(self.group.recv(receives[peer], peer, tag))
+            else:
+                packed = receives[peer][0].new_empty(sum(piece.numel() for piece in receives[peer]))
+                self.works.append(self.group.recv([packed], peer, tag))
+                self.unpacks.append((packed, receives[peer]))
+        for peer in self.peers:
+            pieces = sends[peer]
+            self.works.append(self.group.send([pieces[0] if len(pieces) == 1 else torch.cat(pieces)], peer, tag))
+        for send, receive in zip(sends[self.rank], receives[self.rank]):
+            receive.copy_(send.view_as(receive))
 
     def register(self, output: torch.Tensor) -> None:
-        """Makes ``_c10d_functional.wait_tensor(output)`` wait for every transfer (or waits now)."""
+        """Sends the small pieces; ``_c10d_functional.wait_tensor(output)`` then waits for every transfer.
+
+        Where ``PythonCallbackWork`` is missing, waits now instead.
+        """
+        if self.small_sends[self.rank]:
+            self._post(self.small_sends, self.small_receives)
+        wait = _waiter(self.works, self.unpacks)
         if _CALLBACK_WORK is None:
-            for work in self.works:
-                work.wait()
+            wait()
         else:
-            torch._C._distributed_c10d._register_work(output, _CALLBACK_WORK(_wait_all(self.works)))
+            torch._C._distributed_c10d._register_work(output, _CALLBACK_WORK(wait))
 
 
 def _all_gather_send_recv_kernel(output, all_gather_input, world_size, group_name):
@@ -264,7 +308,10 @@ def _all_gather_send_recv_meta(output, all_gather_input, world_size, group_name)
 # peer's unsharded parameter (``all_gather_params_``), or one gradient's rows to the
 # rank that owns them (``all_to_all_grads_``). Only this rank's own piece is copied,
 # and a piece shorter than its padded size (dim 0 not divisible by the world size)
-# is padded first, so that every receiver knows the size it receives.
+# is padded first, so that every receiver knows the size it receives. Pieces under
+# ``_PACK_BELOW_BYTES`` (norm weights, biases) share one message per peer instead,
+# concatenated on the way out and copied into place on the wait: a message costs more
+# than copying them.
 #
 # ``all_gather_params_`` fills a group's unsharded parameters one after another, each
 # ``[world_size * padded_numel]`` (its padded rows, rank by rank): the layout the

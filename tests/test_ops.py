@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch.library import opcheck
 
 import compile_shard.passes
+from compile_shard import ops
 from dist_utils import FakeProcessGroup, run_gloo
 
 
@@ -205,22 +206,26 @@ def _gloo_in_place_collectives(rank, world_size):
     assert torch._C._distributed_c10d._get_work_registry_size() == 0
 
     # Per parameter, straight from the shards and the gradients ([Note: gloo exchange in place]):
-    # a (5, 3) weight and a (4,) bias, dim 0 uneven over 2 and 3 ranks (the last rank's
-    # bias shard is empty with 3), a transposed (non-contiguous) gradient.
+    # a (5, 3) weight, a (1000, 256) one whose shards are large enough for messages of their
+    # own (the small ones share one), and a (4,) bias; dim 0 uneven over 2 and 3 ranks (the
+    # last rank's bias shard is empty with 3), a transposed (non-contiguous) gradient.
     generator = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(5, 3, generator=generator), torch.randn(4, generator=generator)
-    padded_rows = [-(-5 // world_size), -(-4 // world_size)]
-    shards = [full[rank * rows : (rank + 1) * rows] for full, rows in zip((weight, bias), padded_rows)]
-    padded_numels = [3 * padded_rows[0], padded_rows[1]]
+    params = [torch.randn(5, 3, generator=generator), torch.randn(1000, 256, generator=generator)]
+    params.append(torch.randn(4, generator=generator))
+    padded_rows = [-(-param.size(0) // world_size) for param in params]
+    shards = [param[rank * rows : (rank + 1) * rows] for param, rows in zip(params, padded_rows)]
+    padded_numels = [rows * param[0].numel() for param, rows in zip(params, padded_rows)]
+    assert padded_numels[1] * 4 >= ops._PACK_BELOW_BYTES > padded_numels[0] * 4
     unsharded_params = torch.full((world_size * sum(padded_numels),), float("nan"))
     torch.ops.fsdp.all_gather_params_(unsharded_params, shards, padded_numels, world_size, group_name)
-    gradients = [torch.randn(3, 5).t() * (rank + 1), torch.randn(4) - rank]
+    gradients = [torch.randn(3, 5).t() * (rank + 1), torch.randn(1000, 256) + rank, torch.randn(4) - rank]
     received = torch.full((world_size * sum(padded_numels),), float("nan"))
     torch.ops.fsdp.all_to_all_grads_(received, gradients, world_size, group_name)
     funcol.wait_tensor(received)
     funcol.wait_tensor(unsharded_params)
-    weight_segment, bias_segment = unsharded_params.split([world_size * numel for numel in padded_numels])
-    assert torch.equal(weight_segment[:15].view(5, 3), weight) and torch.equal(bias_segment[:4], bias)
+    segments = unsharded_params.split([world_size * numel for numel in padded_numels])
+    for segment, param in zip(segments, params):
+        assert torch.equal(segment[: param.numel()].view_as(param), param)
     expected = torch.empty_like(received)
     dist.all_to_all_single(expected, torch.ops.fsdp.reduce_scatter_input(gradients, world_size))
     assert torch.equal(received, expected)
