@@ -81,7 +81,7 @@ def _rewrite(graph: fx.Graph, collective: fx.Node, out_variant, *args) -> None:
     collective.replace_all_uses_with(waited)
     graph.erase_node(collective)
     for wait in waits:
-        NodeInserter(graph, wait.next, wait)(c10d.wait_tensor.default, collective_input)
+        _keep_alive(graph, wait, [collective_input])
 
 
 def _keep_alive(graph: fx.Graph, wait: fx.Node, inputs: list[fx.Node]) -> None:
