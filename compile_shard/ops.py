@@ -361,25 +361,8 @@ def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size,
     _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
 
 
-def _check_all_to_all_grads(received, unsharded_grads, world_size) -> None:
-    _check_grads("all_to_all_grads_", unsharded_grads)
-    torch._check(
-        all(grad.dim() > 0 for grad in unsharded_grads),
-        lambda: "fsdp::all_to_all_grads_: every gradient needs a dim 0 to split",
-    )
-    numel = _reduce_scatter_input_numel(unsharded_grads, world_size)
-    torch._check(
-        received.dim() == 1 and received.numel() == numel and received.is_contiguous(),
-        lambda: (
-            f"fsdp::all_to_all_grads_: needs a contiguous 1-D output of {numel} elements, "
-            f"got shape {tuple(received.shape)}"
-        ),
-    )
-    _check_same_dtype("all_to_all_grads_", received, unsharded_grads[0])
-
-
 def _all_to_all_grads_kernel(received, unsharded_grads, world_size, group_name):
-    _check_all_to_all_grads(received, unsharded_grads, world_size)
+    _check_rank_major_output("all_to_all_grads_", received, unsharded_grads, world_size)
     transfers = _Exchange(group_name)
     slots = received.view(world_size, -1)
     offset = 0
@@ -394,7 +377,7 @@ def _all_to_all_grads_kernel(received, unsharded_grads, world_size, group_name):
 
 
 def _all_to_all_grads_meta(received, unsharded_grads, world_size, group_name):
-    _check_all_to_all_grads(received, unsharded_grads, world_size)
+    _check_rank_major_output("all_to_all_grads_", received, unsharded_grads, world_size)
 
 
 # reduce_scatter_grad -----------------------------------------------------------------
@@ -498,6 +481,10 @@ def _check_grads(op_name: str, unsharded_grads: Sequence[torch.Tensor]) -> None:
     torch._check(len(unsharded_grads) > 0, lambda: f"fsdp::{op_name} needs at least one gradient")
     dtypes = {grad.dtype for grad in unsharded_grads}
     torch._check(len(dtypes) == 1, lambda: f"fsdp::{op_name} needs one dtype, got {sorted(map(str, dtypes))}")
+    torch._check(
+        all(grad.dim() > 0 for grad in unsharded_grads),
+        lambda: f"fsdp::{op_name}: every gradient needs a dim 0 to split",
+    )
 
 
 def _reduce_scatter_input_numel(unsharded_grads: Sequence[torch.Tensor], world_size) -> int:
@@ -515,26 +502,26 @@ def _reduce_scatter_input_meta(unsharded_grads, world_size):
     return unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size))
 
 
-def _check_reduce_scatter_input_into(output, unsharded_grads, world_size) -> None:
-    _check_grads("reduce_scatter_input_into_", unsharded_grads)
+def _check_rank_major_output(op_name: str, output, unsharded_grads, world_size) -> None:
+    """``output`` can hold ``reduce_scatter_input(unsharded_grads, world_size)``."""
+    _check_grads(op_name, unsharded_grads)
     numel = _reduce_scatter_input_numel(unsharded_grads, world_size)
     torch._check(
         output.dim() == 1 and output.numel() == numel and output.is_contiguous(),
         lambda: (
-            f"fsdp::reduce_scatter_input_into_: needs a contiguous 1-D output of {numel} elements, "
-            f"got shape {tuple(output.shape)}"
+            f"fsdp::{op_name}: needs a contiguous 1-D output of {numel} elements, got shape {tuple(output.shape)}"
         ),
     )
-    _check_same_dtype("reduce_scatter_input_into_", output, unsharded_grads[0])
+    _check_same_dtype(op_name, output, unsharded_grads[0])
 
 
 def _reduce_scatter_input_into_kernel(output, unsharded_grads, world_size):
-    _check_reduce_scatter_input_into(output, unsharded_grads, world_size)
+    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size)
     torch._chunk_cat(unsharded_grads, 0, world_size, out=output.view(world_size, -1))
 
 
 def _reduce_scatter_input_into_meta(output, unsharded_grads, world_size):
-    _check_reduce_scatter_input_into(output, unsharded_grads, world_size)
+    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size)
 
 
 # all_to_all_into_ --------------------------------------------------------------------
