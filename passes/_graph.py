@@ -13,9 +13,14 @@ from torch.utils._pytree import tree_map
 
 from compile_shard._group import GROUP_ANNOTATION
 
+aten = torch.ops.aten
 fsdp = torch.ops.fsdp
 c10d = torch.ops._c10d_functional
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
+# The views the traced and lowered chains are spelled with (Inductor's decompositions turn
+# ``_unsafe_view`` into ``view`` and some views into ``reshape``).
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 # Metadata a replacement node inherits from the node it replaces: the partitioner's
 # recompute tags and compile_shard's group annotation.

@@ -53,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from compile_shard.ops import gathers_by_send_recv, reduces_by_all_to_all
 
-from ._graph import NodeInserter, c10d, fsdp
+from ._graph import VIEWS, NodeInserter, c10d, fsdp
 
 aten = torch.ops.aten
 
@@ -91,12 +91,9 @@ def _keep_alive(graph: fx.Graph, wait: fx.Node, inputs: list[fx.Node]) -> None:
         NodeInserter(graph, anchor, wait)(c10d.wait_tensor.default, read)
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 # What a lowered copy-in, copy-out or reduction input is made of: erased once nothing reads it.
 _COPIES = (
-    *_VIEWS,
+    *VIEWS,
     aten.cat.default,
     aten.constant_pad_nd.default,
     aten.clone.default,
@@ -133,7 +130,7 @@ def _copied_in_shards(all_gather_input: fx.Node) -> tuple[list[fx.Node], list[in
             piece, padding, *value = piece.args
             if len(padding) != 2 or padding[0] != 0 or (value and value[0] != 0):
                 return None
-        if piece.target not in _VIEWS or piece.meta["val"].dim() != 1:
+        if piece.target not in VIEWS or piece.meta["val"].dim() != 1:
             return None
         shards.append(piece.args[0])
     if not all(is_concrete_int(numel) for numel in padded_numels):
@@ -149,7 +146,7 @@ def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int)
     rank by rank, the ``i``-th segment of what ``all_gather_params_`` fills.
     """
     rank_major = _only_user(wait)
-    split = _only_user(rank_major) if rank_major is not None and rank_major.target in _VIEWS else None
+    split = _only_user(rank_major) if rank_major is not None and rank_major.target in VIEWS else None
     if split is None or split.target is not aten.split_with_sizes.default:
         return None
     if list(rank_major.meta["val"].shape) != [world_size, sum(padded_numels)]:
@@ -160,7 +157,7 @@ def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int)
     for getitem in split.users:
         clone = _only_user(getitem)
         copy = _only_user(clone) if clone is not None and clone.target is aten.clone.default else None
-        if getitem.target is not operator.getitem or copy is None or copy.target not in _VIEWS:
+        if getitem.target is not operator.getitem or copy is None or copy.target not in VIEWS:
             return None
         copies[getitem.args[1]] = copy
     return copies if all(copy is not None for copy in copies) else None
@@ -202,7 +199,7 @@ def _exchange_grads_in_place(graph: fx.Graph, exchange: fx.Node) -> bool:
     """A gloo reduction input and its all-to-all become ``fsdp.all_to_all_grads_``; False for another shape."""
     unsharded_grad, _, _, group_name = exchange.args
     reduction_input = unsharded_grad
-    if reduction_input.target in _VIEWS and len(reduction_input.users) == 1:
+    if reduction_input.target in VIEWS and len(reduction_input.users) == 1:
         reduction_input = reduction_input.args[0]
     wait = _only_user(exchange)
     if (

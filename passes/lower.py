@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard.ops import reduces_by_all_to_all
 
-from ._graph import NodeInserter, c10d, fsdp
+from ._graph import VIEWS, NodeInserter, c10d, fsdp
 
 aten = torch.ops.aten
 
@@ -55,7 +55,6 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _PADDING = (aten.slice_backward.default, aten.cat.default)
 
 
@@ -65,7 +64,7 @@ def _padded_gradient(piece: fx.Node, world_size: int) -> fx.Node | None:
     Autograd pads a gradient to the gathered parameter's padded rows with
     ``slice_backward`` (none when the rows divide evenly) and views it rank-major.
     """
-    if piece.target not in _VIEWS:
+    if piece.target not in VIEWS:
         return None
     gradient = piece.args[0]
     if gradient.target is aten.slice_backward.default:
@@ -88,7 +87,7 @@ def _reduction_gradients(unsharded_grad: fx.Node, world_size: int) -> list[fx.No
     A bucket's input (``bucket``) concatenates its groups' inputs the same way, one
     level up: their gradients are collected in order.
     """
-    if unsharded_grad.target not in _VIEWS or unsharded_grad.meta["val"].dim() != 1:
+    if unsharded_grad.target not in VIEWS or unsharded_grad.meta["val"].dim() != 1:
         return None
     concatenated = unsharded_grad.args[0]
     if concatenated.target is not aten.cat.default or concatenated.args[1:] != (1,):
@@ -97,7 +96,7 @@ def _reduction_gradients(unsharded_grad: fx.Node, world_size: int) -> list[fx.No
         return None  # not rank-major
     gradients = []
     for piece in concatenated.args[0]:
-        nested = _reduction_gradients(piece.args[0], world_size) if piece.target in _VIEWS else None
+        nested = _reduction_gradients(piece.args[0], world_size) if piece.target in VIEWS else None
         if nested is None:
             gradient = _padded_gradient(piece, world_size)
             if gradient is None:
@@ -112,7 +111,7 @@ def _erase_unused_padding(graph: fx.Graph, node: fx.Node) -> None:
     stack = [node]
     while stack:
         node = stack.pop()
-        if node.op == "call_function" and not node.users and node.target in (*_VIEWS, *_PADDING):
+        if node.op == "call_function" and not node.users and node.target in (*VIEWS, *_PADDING):
             inputs = node.all_input_nodes
             graph.erase_node(node)
             stack.extend(inputs)
