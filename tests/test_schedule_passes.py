@@ -546,18 +546,29 @@ def test_gather_buffers_keeps_the_copies_of_a_gather_whose_buffer_is_saved(monke
 def _in_place_exchange_computes_the_same(rank, world_size):
     import torch.distributed as dist
 
+    group_name = dist.group.WORLD.group_name
+    padded_rows = -(-5 // world_size)
+
+    def one_parameter(shard_w, shard_b, x, grad_w, grad_b):
+        """A group of the weight alone: copy_out leaves its clone, so its readers get a slice of the buffer."""
+        gathered = torch.ops.fsdp.all_gather_into([shard_w], [4 * padded_rows], world_size, group_name)
+        weight = gathered.view(world_size, -1).split([4 * padded_rows], dim=1)[0].clone().view(-1, 4)[:5]
+        return x @ weight.t() + shard_b.sum()
+
     inputs = _in_place_inputs(rank, world_size)
-    fn = _gather_use_and_reduce(world_size, dist.group.WORLD.group_name)
-    graph_module = _lowered_with_copy_out(fn, inputs)  # fake tensors in meta, real collectives when run
-    graph_module.recompile()
-    expected = graph_module(*inputs)
-    assert gather_into_planned_buffers(graph_module.graph) == 2
-    assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
-    assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_to_all_grads_.default)
-    graph_module.recompile()
-    for _ in range(2):  # the second call reuses the tags' order on every rank
-        for value, expected_value in zip(graph_module(*inputs), expected):
-            assert torch.equal(value, expected_value)
+    for fn, rewrites in ((_gather_use_and_reduce(world_size, group_name), 2), (one_parameter, 1)):
+        graph_module = _lowered_with_copy_out(fn, inputs)  # fake tensors in meta, real collectives when run
+        graph_module.recompile()
+        expected = graph_module(*inputs)
+        assert gather_into_planned_buffers(graph_module.graph) == rewrites
+        assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
+        assert not graph_module.graph.find_nodes(op="call_function", target=aten.clone.default)
+        if rewrites == 2:
+            assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_to_all_grads_.default)
+        graph_module.recompile()
+        for _ in range(2):  # the second call reuses the tags' order on every rank
+            for value, expected_value in zip(graph_module(*inputs), expected):
+                assert torch.equal(value, expected_value)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
