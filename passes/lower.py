@@ -55,28 +55,51 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-_PADDING = (aten.slice_backward.default, aten.cat.default)
+_PADDING = (aten.slice_backward.default, aten.slice_scatter.default, aten.full.default, aten.cat.default)
+
+
+def _unpadded(gradient: fx.Node) -> fx.Node | None:
+    """What a zero padding of dim 0's tail adds rows to, or None if ``gradient`` is no such padding.
+
+    Autograd pads with ``slice_backward``; Inductor's decompositions (applied while
+    AOTAutograd traces) turn that into ``slice_scatter`` of the gradient into zeros.
+    """
+    if gradient.target is aten.slice_backward.default:
+        sliced, _, dim, start, end, step = gradient.args
+    elif gradient.target is aten.slice_scatter.default:
+        zeros, sliced, *rest = gradient.args
+        dim, start, end, step = (*rest, *(0, None, None, 1)[len(rest) :])
+        if zeros.target is not aten.full.default or zeros.args[1] != 0:
+            return None
+    else:
+        return None
+    if (dim, start, step) != (0, 0, 1) or end is None or end < sliced.meta["val"].size(0):
+        return None
+    return sliced
 
 
 def _padded_gradient(piece: fx.Node, world_size: int) -> fx.Node | None:
     """The gradient behind one ``[world_size, padded_numel]`` piece of a reduction input, if it is one.
 
-    Autograd pads a gradient to the gathered parameter's padded rows with
-    ``slice_backward`` (none when the rows divide evenly) and views it rank-major.
+    Autograd pads a gradient to the gathered parameter's padded rows (none when the
+    rows divide evenly, see ``_unpadded``) and views it rank-major. The reduction
+    input pads on its own, so the padded copy is left out.
     """
     if piece.target not in VIEWS:
         return None
+
+    def fits(gradient: fx.Node) -> bool:
+        value = gradient.meta["val"]
+        if value.dim() == 0:
+            return False
+        padded_rows = -(-value.size(0) // world_size)
+        return list(piece.meta["val"].shape) == [world_size, padded_rows * value[0].numel()]
+
     gradient = piece.args[0]
-    if gradient.target is aten.slice_backward.default:
-        sliced, _, dim, start, end, step = gradient.args
-        if (dim, start, step) != (0, 0, 1) or end < sliced.meta["val"].size(0):
-            return None
-        gradient = sliced
-    value = gradient.meta["val"]
-    if value.dim() == 0:
-        return None
-    padded_rows = -(-value.size(0) // world_size)
-    if list(piece.meta["val"].shape) != [world_size, padded_rows * value[0].numel()]:
+    unpadded = _unpadded(gradient)
+    if unpadded is not None and fits(unpadded):
+        return unpadded
+    if gradient.target is aten.slice_backward.default or not fits(gradient):
         return None
     return gradient
 

@@ -192,36 +192,46 @@ def test_lower_reduce_scatter_on_gloo_exchanges_shards_and_sums_them(reduce_op, 
     verify(graph_module.graph)
 
 
-def _reduction_input(padded, world_size=WORLD):
+def _autograd_padding(gradient, rows, value=0.0):
+    return aten.slice_backward(gradient, [rows, *gradient.shape[1:]], 0, 0, gradient.size(0), 1)
+
+
+def _decomposed_padding(gradient, rows, value=0.0):
+    """``slice_backward`` as Inductor's decompositions trace it."""
+    return aten.slice_scatter(aten.full([rows, *gradient.shape[1:]], value), gradient, 0, 0, gradient.size(0))
+
+
+def _reduction_input(padded, world_size=WORLD, pad=_autograd_padding):
     """What autograd builds for a group's reduction input: each gradient padded, viewed rank-major, concatenated."""
     pieces = []
     for gradient, rows in padded:
         if rows != gradient.size(0):
-            gradient = aten.slice_backward(gradient, [rows, *gradient.shape[1:]], 0, 0, gradient.size(0), 1)
+            gradient = pad(gradient, rows)
         pieces.append(gradient.view(world_size, -1))
     return torch.cat(pieces, 1).view(-1)
 
 
-def _uneven_group_input(weight_grad, bias_grad):
+def _uneven_group_input(weight_grad, bias_grad, pad=_autograd_padding):
     """The uneven group of ``_gather_and_use``: a [5, 4] weight padded to 6 rows, a [3] bias padded to 4."""
-    return _reduction_input([(weight_grad, 6), (bias_grad, 4)])
+    return _reduction_input([(weight_grad, 6), (bias_grad, 4)], pad=pad)
 
 
-def _bucket_input(weight_grad, bias_grad, other_grad):
+def _bucket_input(weight_grad, bias_grad, other_grad, pad=_autograd_padding):
     """``bucket``'s merged input: two groups' reduction inputs, concatenated rank-major once more."""
-    first = _uneven_group_input(weight_grad, bias_grad)
-    second = _reduction_input([(other_grad, 4)])
+    first = _uneven_group_input(weight_grad, bias_grad, pad=pad)
+    second = _reduction_input([(other_grad, 4)], pad=pad)
     return torch.cat([first.view(WORLD, -1), second.view(WORLD, -1)], 1).view(-1)
 
 
+@pytest.mark.parametrize("pad", [_autograd_padding, _decomposed_padding], ids=["autograd", "decomposed"])
 @pytest.mark.parametrize(
     "reduction_input, shapes",
     [(_uneven_group_input, [(5, 4), (3,)]), (_bucket_input, [(5, 4), (3,), (4, 2)])],
     ids=["group", "bucket"],
 )
-def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_input(reduction_input, shapes):
+def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_input(reduction_input, shapes, pad):
     def fn(*gradients):
-        return torch.ops.fsdp.reduce_scatter_grad(reduction_input(*gradients), WORLD, GROUP)
+        return torch.ops.fsdp.reduce_scatter_grad(reduction_input(*gradients, pad=pad), WORLD, GROUP)
 
     gradients = [torch.randn(shape) for shape in shapes]
     graph_module = trace(fn, *gradients)
@@ -231,7 +241,8 @@ def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_i
     (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
     assert scatter.args[0] is replacement
     # Autograd's padding, views and concatenations are gone: no kernel will fuse their pieces.
-    assert not [n for n in graph_module.graph.nodes if n.target in (aten.cat.default, aten.slice_backward.default)]
+    padding = (aten.cat.default, aten.slice_backward.default, aten.slice_scatter.default, aten.full.default)
+    assert not [n for n in graph_module.graph.nodes if n.target in padding]
     assert torch.equal(torch.ops.fsdp.reduce_scatter_input(gradients, WORLD), reduction_input(*gradients))
     verify(graph_module.graph)
 
@@ -248,6 +259,19 @@ def test_lower_keeps_a_reduction_input_that_is_not_rank_major_padding():
     assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
     (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
     assert scatter.args[0].target is aten.view.default and scatter.args[0].args[0].target is aten.cat.default
+
+
+def test_lower_keeps_a_slice_scatter_into_nonzero_rows_as_the_gradient():
+    def fn(weight_grad, bias_grad):
+        padded = _decomposed_padding(weight_grad, 6, value=1.0)  # not padding: the extra row holds ones
+        flat = torch.cat([padded.view(WORLD, -1), bias_grad.view(WORLD, -1)], 1).view(-1)
+        return torch.ops.fsdp.reduce_scatter_grad(flat, WORLD, GROUP)
+
+    graph_module = trace(fn, torch.randn(5, 4), torch.randn(4))
+    lower(graph_module.graph)
+    (replacement,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    (padded, bias_grad) = replacement.args[0]
+    assert padded.target is aten.slice_scatter.default and bias_grad.op == "placeholder"
 
 
 def test_lower_leaves_graphs_without_fsdp_ops_alone():
