@@ -102,7 +102,7 @@ class FSDPParamGroup:
 
     def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """All-gathers the group and copies out one tensor per parameter."""
-        shards = [fsdp_param.sharded_param.to_local() for fsdp_param in self.fsdp_params]
+        shards = [fsdp_param.autograd_shard() for fsdp_param in self.fsdp_params]
         all_gather_output = ops.all_gather_into(shards, self.padded_numels, self.world_size, self.group_name)
         per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [

@@ -69,13 +69,30 @@ class FSDPParam:
     tensor is a view of ``padded_sharded_data``, a buffer of ``padded_rows`` rows that
     every rank allocates with the same size (FSDP2's layout): rows past the rank's
     real shard are padding, never visible to the user, never read back. The
-    all-gather's copy-in still pads on its own, because it must read the
-    ``to_local()`` view for autograd to reach the DTensor parameter.
+    all-gather's copy-in still pads on its own: it reads ``shard`` (below), which
+    holds the real rows only.
     When something outside fully_shard replaces the local tensor's storage (for
     example ``model.to_empty()`` after meta-device init), ``reset_sharded_param``
     copies the new values into fresh padded storage and re-points the same local
     tensor at it with ``fsdp::set_``, so any object holding the local tensor (an
     optimizer state, a state dict) stays valid.
+
+    [Note: the shard autograd sees]
+    The all-gather reads ``shard``, a plain tensor that shares the local tensor's
+    storage (``detach()``) and is a leaf of its own, not the DTensor through
+    ``to_local()``. A DTensor graph input costs torch.compile per parameter: Dynamo
+    builds a fake DTensor and guards on its spec, AOTAutograd traces through its
+    subclass wrapping and wraps its gradient at every call (config B with regions:
+    about 3 s of a 36 s cold step). The gradient reaches ``sharded_param.grad``
+    through ``shard``'s post-accumulate-grad hook instead, which FSDP2 also
+    writes by hand: set, or added to a gradient already there (accumulation), then
+    the parameter's own post-accumulate-grad hooks. ``shard`` always requires grad;
+    the all-gather reads it detached while ``sharded_param.requires_grad`` is False
+    (``autograd_shard``), a read that Dynamo guards, so freezing a parameter after
+    ``fully_shard`` recompiles instead of computing its gradient. ``shard`` follows
+    the local tensor through ``reset_sharded_param``; a local tensor replaced any
+    other way (``load_state_dict(assign=True)``, ``param.data = ...``) is not seen,
+    as with FSDP2.
     """
 
     def __init__(self, param: nn.Parameter, fqn: str, usages: list[ParamUsage], mesh: DeviceMesh):
@@ -105,6 +122,7 @@ class FSDPParam:
             local_tensor, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        self.shard = self._new_shard()
         self.unsharded_param: torch.Tensor | None = None
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
@@ -113,6 +131,30 @@ class FSDPParam:
     @property
     def local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
+
+    def _new_shard(self) -> torch.Tensor:
+        """See [Note: the shard autograd sees]."""
+        shard = self.local_tensor.detach().requires_grad_(True)
+        shard.register_post_accumulate_grad_hook(self._accumulate_sharded_grad)
+        return shard
+
+    def autograd_shard(self) -> torch.Tensor:
+        """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient."""
+        return self.shard if self.sharded_param.requires_grad else self.shard.detach()
+
+    def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
+        grad, shard.grad = shard.grad, None
+        if grad is None:  # a compiled backward's None for a parameter frozen in the graph
+            return
+        param = self.sharded_param
+        if param.grad is None:
+            param.grad = DTensor.from_local(
+                grad, self.mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            param.grad._local_tensor.add_(grad)
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
 
     def to_sharded(self) -> None:
         self.unsharded_param = None
@@ -132,9 +174,10 @@ class FSDPParam:
     def validate_device(self, device_type: str) -> None:
         """Raises for a parameter the forward cannot gather: still on meta, or off the mesh's device.
 
-        It reads the DTensor's own metadata, which matches its local tensor's. Reading
-        ``_local_tensor`` here would, inside a trace, make every local tensor a graph
-        input of its own next to its DTensor (a guard and an aliased input each).
+        It reads the DTensor's own metadata, which matches its local tensor's: inside a
+        trace, Dynamo guards on it without making it a graph input. Reading
+        ``_local_tensor`` here would add every local tensor as an input beside its
+        ``shard`` (a guard and an aliased input each).
         """
         device = self.sharded_param.device
         if device.type == "meta":
@@ -162,3 +205,4 @@ class FSDPParam:
             padded[: self.shard_rows].copy_(local_tensor)
         ops.set_(local_tensor, padded[: self.shard_rows])
         self.padded_sharded_data = padded
+        self.shard = self._new_shard()

@@ -124,8 +124,8 @@ def test_backward_prefetch_refills_the_listed_block_when_the_first_starts_backwa
         return grad
 
     loss = lm_loss(model, torch.randint(0, 1001, (2, 9)))
-    # Runs during block 2's backward, after its pre-backward: block 0 is refilled by then.
-    model.layers[2].feed_forward.w2.weight.register_hook(record)
+    # Runs when block 2's gradients are reduced, after its pre-backward: block 0 is refilled by then.
+    model.layers[2]._fsdp_state().group.fsdp_params[0].shard.register_hook(record)
     with CollectiveCounter() as counter:
         loss.backward()
     assert seen == [True]

@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import get_custom_graph_passes
+from torch.distributed.tensor import DTensor
 
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
@@ -109,19 +110,22 @@ def test_fullgraph_false_gives_the_same_single_graph():
 
 
 def test_dynamo_graph_takes_one_input_per_sharded_parameter():
-    """Each DTensor parameter enters the graph once; its local tensor is not lifted beside it
-    (an extra input, a guard and an aliasing check per parameter, see ``FSDPParam.validate_device``)."""
+    """Each parameter enters the graph once, as its shard; neither its DTensor nor its local tensor
+    is lifted beside it (an extra input, a guard and an aliasing check per parameter, see
+    ``FSDPParam.validate_device`` and [Note: the shard autograd sees])."""
     graph_inputs = []
 
     def backend(graph_module, example_inputs):
-        graph_inputs.append(len(example_inputs))
+        graph_inputs.append([type(tensor) for tensor in example_inputs])
         return graph_module.forward
 
     with FakeProcessGroup(2):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
         torch.compile(model, backend=backend, fullgraph=True)(torch.randint(0, 1001, (2, 9)))
     buffers = len(list(model.buffers()))
-    assert graph_inputs == [len(list(model.parameters())) + buffers + 1]  # + the tokens
+    (types,) = graph_inputs
+    assert len(types) == len(list(model.parameters())) + buffers + 1  # + the tokens
+    assert DTensor not in types
 
 
 def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False):

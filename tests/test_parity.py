@@ -107,3 +107,32 @@ def _reused_block_worker(rank, world_size, backend):
 def test_block_called_twice_per_forward(backend):
     """Eager gathers and reduces the block once per call (as FSDP2); a trace gathers it once."""
     run_gloo(_reused_block_worker, 2, backend)
+
+
+def _gradient_semantics_worker(rank, world_size, backend):
+    """Two backwards without zero_grad, one parameter frozen after fully_shard, one post-accumulate-grad hook."""
+    model, reference = build_sharded_llama(LlamaConfig(n_layers=2))
+    for m in (model, reference):
+        m.layers[0].attention.wq.weight.requires_grad_(False)
+    hooked = model.layers[1].feed_forward.w1.weight
+    seen = []
+    hooked.register_post_accumulate_grad_hook(lambda param: seen.append(param.grad.to_local().clone()))
+    runnable = model if backend is None else torch.compile(model, backend=backend)
+    for step in range(2):
+        tokens = global_batch(step, world_size, 2, 8, 1001)
+        lm_loss(runnable, tokens[2 * rank : 2 * rank + 2]).backward()
+        lm_loss(reference, tokens).backward()
+    assert model.layers[0].attention.wq.weight.grad is None
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        if ref.grad is None:
+            continue
+        torch.testing.assert_close(param.grad.full_tensor(), ref.grad, rtol=0, atol=1e-6, msg=name)
+    # The hook saw the first gradient, then the sum of both.
+    assert len(seen) == 2 and not torch.equal(seen[0], seen[1])
+    torch.testing.assert_close(seen[1], hooked.grad.to_local(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_frozen_parameter_accumulation_and_post_accumulate_grad_hook(backend):
+    """[Note: the shard autograd sees]: gradients reach the DTensor parameters as FSDP2's do."""
+    run_gloo(_gradient_semantics_worker, 2, backend)
