@@ -19,6 +19,11 @@ from ._param import FSDPParam
 GROUP_ANNOTATION = "compile_shard_group"
 
 
+def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
+    """``padded``'s first ``rows`` rows; ``padded`` itself where it has no others (no slice node in a trace)."""
+    return padded if padded.size(0) == rows else padded[:rows]
+
+
 class TrainingState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()
@@ -106,7 +111,7 @@ class FSDPParamGroup:
         all_gather_output = ops.all_gather_into(shards, self.padded_numels, self.world_size, self.group_name)
         per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [
-            chunk.reshape(-1, *shape[1:])[: shape[0]] for chunk, shape in zip(per_rank, self.unsharded_shapes)
+            _unpadded(chunk.reshape(-1, *shape[1:]), shape[0]) for chunk, shape in zip(per_rank, self.unsharded_shapes)
         ]
         return unsharded, all_gather_output
 
