@@ -1,12 +1,18 @@
 """Eager numerics: fully_shard on gloo vs an unsharded single-process reference.
 
 [Note: parity tolerance]
-Per-step losses match the reference within 1e-6. Final parameters after 5 AdamW
-steps match it within 1e-6 at world size 2 and within 5e-6 at world size 3: the
-gradient is reduced in a different order than the reference's single matmul (per-rank
-means, then a sum across ranks), and AdamW's normalization m / sqrt(v) turns that last-
-bit difference into a visible one for entries whose gradient is close to zero. torch's
-own FSDP2 shows the same deviation. At world size 2 compile_shard is checked to be
+The reference trains on the global batch in one process, as one rank-sized micro-batch
+per rank (the mean of their losses): the same sums as the mean over the whole batch,
+with the ranks' matmul shapes, so both sides round the per-sample work alike whatever
+blocking the CPU's kernels choose for a shape (on an AVX-512 Xeon, one matmul over the
+whole batch put torch FSDP2 1.7e-6 away from the reference at 2 ranks and 1.2e-5 at 3).
+Per-step losses then match the reference within 1e-6 at world size 2 and within 2e-6 (4
+ulp of a loss near 6.9; 2 ulp measured) at world size 3. Final parameters after 5 AdamW
+steps match it within 1e-6 at world size 2 and within 2e-5 at world size 3: at 3 ranks
+the gradient's sum across ranks is taken in another order than the reference's, and
+AdamW's normalization m / sqrt(v) turns that last-bit difference into a visible one for
+entries whose gradient is close to zero (1.1e-5 measured on that Xeon). torch's own
+FSDP2 shows the same deviation. At world size 2 compile_shard is checked to be
 bit-identical to torch FSDP2 on the same wrapping, which is the exactness claim. At 3
 ranks the two add the ranks' gradients in different orders (compile_shard in rank
 order, gloo's ring all-reduce under FSDP2's reduce-scatter in its own; [Note: gloo
@@ -27,12 +33,14 @@ from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
 STEPS = 5
 BATCH_PER_RANK = 2
 SEQ = 16
-PARAM_TOLERANCE = {2: 1e-6, 3: 5e-6}
+LOSS_TOLERANCE = {2: 1e-6, 3: 2e-6}
+PARAM_TOLERANCE = {2: 1e-6, 3: 2e-5}
 TORCH_FSDP2_TOLERANCE = {2: 0.0, 3: 5e-6}  # 0.0: bitwise
 
 
-def _train_step(model, optimizer, tokens):
-    loss = lm_loss(model, tokens)
+def _train_step(model, optimizer, tokens, micro_batches=1):
+    """One step; the reference passes ``micro_batches``, see [Note: parity tolerance]."""
+    loss = sum(lm_loss(model, chunk) for chunk in tokens.chunk(micro_batches)) / micro_batches
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -50,10 +58,10 @@ def _parity_worker(rank, world_size, checkpoint_blocks, block_reshard, root_resh
     for step in range(STEPS):
         tokens = global_batch(step, world_size, BATCH_PER_RANK, SEQ, config.vocab_size)
         loss, torch_loss = (_train_step(m, opt, tokens[local]) for m, opt in zip(models[:2], optimizers[:2]))
-        reference_loss = _train_step(reference, optimizers[2], tokens)
+        reference_loss = _train_step(reference, optimizers[2], tokens, micro_batches=world_size)
         torch.testing.assert_close(loss, torch_loss, rtol=0, atol=TORCH_FSDP2_TOLERANCE[world_size], msg=str(step))
         dist.all_reduce(loss)
-        torch.testing.assert_close(loss / world_size, reference_loss, rtol=0, atol=1e-6)
+        torch.testing.assert_close(loss / world_size, reference_loss, rtol=0, atol=LOSS_TOLERANCE[world_size])
 
     names = [name for name, _ in reference.named_parameters()]
     assert [name for name, _ in model.named_parameters()] == names
