@@ -33,7 +33,8 @@ class FSDPState:
         self._final_callback_queued = False
         # For [Note: sharded blocks as nested compile regions]: set for a module whose
         # subtree holds no other fully_shard module.
-        self.region_signature: tuple | None = None
+        # The hash of ``block_signature``: hashed once, not in every traced reuse key.
+        self.region_key: int | None = None
         self.region_modules: list[nn.Module] = []
 
     def claim_root(self) -> None:
@@ -85,7 +86,7 @@ class FSDPState:
             and REGIONS_SUPPORTED
             and torch.compiler.is_compiling()
             and not self.is_root
-            and self.region_signature is not None
+            and self.region_key is not None
             and self.group.fsdp_params[0].unsharded_param is not None
             and accepts_region_call(args, kwargs)
         )
@@ -361,7 +362,7 @@ def fully_shard(
     module.__dict__[_STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))
     if group is not None and not sharded_below:
-        state.region_signature = block_signature(module)
+        state.region_key = hash(block_signature(module))
         state.region_modules = list(module.modules())
     state.claim_root()
     return cast(FSDPModule, module)

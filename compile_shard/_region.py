@@ -73,7 +73,7 @@ def _base_class(module: nn.Module) -> type:
 
 
 def block_signature(module: nn.Module) -> tuple:
-    """What must be equal for two blocks to share one compiled region.
+    """What must be equal for two blocks to share one compiled region (``FSDPState.region_key`` is its hash).
 
     Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
     and ``requires_grad``, its hooks, and its other attributes (plain values by
@@ -106,22 +106,42 @@ def _tensor_key(value: Any) -> Any:
     return value
 
 
-def _reuse_key(module: nn.Module, unsharded_params: list[torch.Tensor], args: tuple, kwargs: dict) -> int:
+def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tuple, tuple, dict]:
+    """Splits a region call's flat arguments back into unsharded parameters, args and kwargs.
+
+    [Note: region arguments are flat]
+    Dynamo flattens a region call's arguments with a traced ``pytree.tree_flatten``
+    unless every argument is already a leaf (a tensor, a module or a constant); that
+    and hashing the block's signature inside the key (``FSDPState.region_key`` holds
+    it hashed) cost about 40 ms per call site on config B. So ``call_in_region``
+    passes the unsharded parameters, the args, the kwargs' names and then their
+    values one by one, led by the counts that split them here. The kwargs come sorted by name: a reused
+    subgraph maps its tensor inputs by position, so blocks called with the same
+    keywords in another order must line up.
+    """
+    params, rest = flat[:num_params], flat[num_params:]
+    args, named = rest[:num_args], rest[num_args:]
+    half = len(named) // 2
+    return params, args, dict(zip(named[:half], named[half:]))
+
+
+def _reuse_key(module: nn.Module, num_params: int, num_args: int, *flat: Any) -> int:
     """Traced by Dynamo for every call; equal keys reuse one subgraph."""
     state = module._compile_shard_state
+    unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
     return hash(
         (
-            state.region_signature,
+            state.region_key,
             tuple(submodule.training for submodule in state.region_modules),
             tuple(_tensor_key(tensor) for tensor in unsharded_params),
             tuple(_tensor_key(arg) for arg in args),
-            tuple((name, _tensor_key(value)) for name, value in sorted(kwargs.items())),
+            tuple((name, _tensor_key(value)) for name, value in kwargs.items()),  # names come sorted
         )
     )
 
 
-def _run_block(module: nn.Module, unsharded_params: list[torch.Tensor], args: tuple, kwargs: dict) -> Any:
-    """The block's own forward, reading ``unsharded_params`` (the region's arguments) as its parameters.
+def _run_block(module: nn.Module, num_params: int, num_args: int, *flat: Any) -> Any:
+    """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again on the way
     out instead of the caller restoring them afterwards, because all of its Python
@@ -129,6 +149,7 @@ def _run_block(module: nn.Module, unsharded_params: list[torch.Tensor], args: tu
     the block runs inside an activation-checkpoint region, which refuses any write.
     """
     fsdp_params = module._compile_shard_state.group.fsdp_params
+    unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
     with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
         viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
     for fsdp_param, tensor in zip(fsdp_params, viewed):
@@ -166,4 +187,6 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Runs the sharded ``module``'s forward inside the shared region, during a trace."""
     fsdp_params = module._compile_shard_state.group.fsdp_params
     unsharded_params = [fsdp_param.unsharded_param for fsdp_param in fsdp_params]
-    return _block_region(module, unsharded_params, args, kwargs)
+    names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
+    flat = (*unsharded_params, *args, *names, *(kwargs[name] for name in names))
+    return _block_region(module, len(unsharded_params), len(args), *flat)

@@ -139,6 +139,66 @@ def test_a_block_called_twice_per_forward_calls_its_region_twice_and_matches_the
     run_gloo(_reused_block_with_regions, 2)
 
 
+
+class _KeywordBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x, *, shift, gate, scale=1.0):
+        return self.linear(x) * gate * scale + shift
+
+
+class _KeywordModel(nn.Module):
+    """Blocks called with tensor and plain keyword arguments, in different orders.
+
+    The inputs come through ``proj``, so every block sees an input that requires
+    grad; Dynamo inlines a region whose subgraph is used only once.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_KeywordBlock() for _ in range(4))
+        self.shift, self.gate = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block, scale in zip(self.blocks[::2], (2.0, 0.5)):
+            x = block(x, shift=self.shift, gate=self.gate, scale=scale)
+        for block, scale in zip(self.blocks[1::2], (2.0, 0.5)):
+            x = block(x, scale=scale, gate=self.gate, shift=self.shift)
+        return x
+
+
+def _keyword_arguments_worker(rank, world_size):
+    import copy
+
+    from compile_shard import fully_shard
+
+    settings.compile_regions = True
+    torch.manual_seed(0)
+    model = _KeywordModel()
+    reference = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    capture = CapturingBackend(min_cut=True)
+    compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+    inputs = torch.randn(world_size * 4, 6, generator=torch.Generator().manual_seed(1))
+    loss = compiled(inputs[4 * rank : 4 * rank + 4]).pow(2).sum() * world_size
+    loss.backward()
+    reference(inputs).pow(2).sum().backward()
+    regions = _region_calls(capture.forward_graphs[0].graph)
+    assert len(regions) == 4 and len({node.args[1] for node in regions}) == 2  # scale=0.5 is another key
+    for param, reference_param in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), reference_param.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_keyword_arguments_reach_the_region_by_name_in_any_order():
+    run_gloo(_keyword_arguments_worker, 2)
+
+
 # Hand-built graphs ---------------------------------------------------------------------------
 
 
