@@ -21,7 +21,8 @@ batches, each mode in its own fresh processes, one mode after the other:
 - ``fsdp2_block_compiled``: torchtitan's recipe, ``block.compile(fullgraph=True)`` for
   each block, then FSDP2's ``fully_shard`` per block and the root.
 - ``ddp``, ``ddp_compiled``: ``DistributedDataParallel``, eager and under ``torch.compile``.
-- ``reference``: the unsharded model in one process on the global batch: the loss reference.
+- ``reference``: the unsharded model in one process on the global batch, one rank-sized
+  micro-batch after the other (the mean of their losses): the loss reference.
 
 Measured per mode (docs/benchmarks.md explains each method):
 
@@ -518,6 +519,17 @@ def _rows(plan: Plan, rank: int) -> slice:
     return slice(None)
 
 
+def _micro_batches(plan: Plan, rows: slice) -> int:
+    """The reference takes the global batch as one rank-sized micro-batch per rank.
+
+    The mean of their losses is the mean over the whole batch, with the ranks' matmul
+    shapes: one matmul over the whole batch rounds differently wherever the CPU's
+    kernels block the larger shape otherwise (on an AVX-512 Xeon every eager mode,
+    DDP's included, was 1.6e-5 from such a reference on config B).
+    """
+    return plan.config.world_size if rows == slice(None) else 1
+
+
 def _mesh(plan: Plan) -> DeviceMesh | None:
     return init_device_mesh(plan.device, (plan.config.world_size,)) if MODES[plan.mode].distributed else None
 
@@ -532,8 +544,12 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def _train_step(runnable, optimizer, tokens: torch.Tensor) -> torch.Tensor:
-    loss = _lm_loss(runnable, tokens)
+def _train_step(runnable, optimizer, tokens: torch.Tensor, micro_batches: int = 1) -> torch.Tensor:
+    """One step; the loss is the mean over ``micro_batches`` equal row blocks (see ``_micro_batches``)."""
+    if micro_batches == 1:
+        loss = _lm_loss(runnable, tokens)
+    else:
+        loss = sum(_lm_loss(runnable, chunk) for chunk in tokens.chunk(micro_batches)) / micro_batches
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -557,7 +573,9 @@ def _compile_stats(recorder: GraphRecorder) -> dict:
     }
 
 
-def _counting_step(mode: Mode, recorder: GraphRecorder, runnable, optimizer, tokens) -> tuple[torch.Tensor, dict]:
+def _counting_step(
+    mode: Mode, recorder: GraphRecorder, runnable, optimizer, tokens, micro_batches: int
+) -> tuple[torch.Tensor, dict]:
     """One more training step; returns its loss and the collectives per step.
 
     Modes counted with the dispatch mode run this step eagerly (``force_eager``): Dynamo
@@ -566,15 +584,22 @@ def _counting_step(mode: Mode, recorder: GraphRecorder, runnable, optimizer, tok
     so the eager step issues the same ones.
     """
     if mode.counted_in_graphs:
-        return _train_step(runnable, optimizer, tokens), recorder.collectives()
+        return _train_step(runnable, optimizer, tokens, micro_batches), recorder.collectives()
     counter = CollectiveCounter()
     with torch.compiler.set_stance("force_eager"), counter:
-        loss = _train_step(runnable, optimizer, tokens)
+        loss = _train_step(runnable, optimizer, tokens, micro_batches)
     return loss, _all_kinds(counter.counts)
 
 
 def _timed_steps(
-    runnable, optimizer, batches, warmup: int, memory: MemoryProbe, distributed: bool, device: torch.device
+    runnable,
+    optimizer,
+    batches,
+    micro_batches: int,
+    warmup: int,
+    memory: MemoryProbe,
+    distributed: bool,
+    device: torch.device,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """The cold step, the warm-up and the timed steps; returns each step's loss and time on this rank."""
     losses, times = [], []
@@ -583,7 +608,7 @@ def _timed_steps(
             memory.mark_timed_steps()
         _barrier(distributed)
         start = time.perf_counter()
-        losses.append(_train_step(runnable, optimizer, tokens))
+        losses.append(_train_step(runnable, optimizer, tokens, micro_batches))
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return losses, times
@@ -596,6 +621,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     distributed = mode.distributed and not plan.fake
     rows = _rows(plan, rank)
     batches = [batch[rows].to(device) for batch in _global_batches(plan.config)]
+    micro_batches = _micro_batches(plan, rows)
     recorder = GraphRecorder(plan.backend, keep_graphs=plan.fake and mode.counted_in_graphs)
     overlap_off = _switch_off_overlap_passes() if mode.overlap_off else None
     compile_shard.passes.settings.compile_regions = mode.compile_regions
@@ -608,12 +634,14 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     memory = MemoryProbe(device)
     memory.mark_built()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, times = _timed_steps(runnable, optimizer, batches[:-1], plan.config.warmup, memory, distributed, device)
+    losses, times = _timed_steps(
+        runnable, optimizer, batches[:-1], micro_batches, plan.config.warmup, memory, distributed, device
+    )
     peak_mb, step_peak_mb = memory.peaks_mb()
     compile_stats = _compile_stats(recorder) if mode.compiled else None
     simulation = _simulate(recorder.graphs, plan.cost_profile, plan.config.world_size) if recorder.graphs else None
 
-    count_loss, collectives = _counting_step(mode, recorder, runnable, optimizer, batches[-1])
+    count_loss, collectives = _counting_step(mode, recorder, runnable, optimizer, batches[-1], micro_batches)
     losses.append(count_loss)
     return {
         "times": times,
