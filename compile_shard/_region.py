@@ -111,13 +111,13 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
 
     [Note: region arguments are flat]
     Dynamo flattens a region call's arguments with a traced ``pytree.tree_flatten``
-    unless every argument is already a leaf (a tensor, a module or a constant); that
-    and hashing the block's signature inside the key (``FSDPState.region_key`` holds
-    it hashed) cost about 40 ms per call site on config B. So ``call_in_region``
-    passes the unsharded parameters, the args, the kwargs' names and then their
-    values one by one, led by the counts that split them here. The kwargs come sorted by name: a reused
-    subgraph maps its tensor inputs by position, so blocks called with the same
-    keywords in another order must line up.
+    unless every argument is already a leaf (a tensor, a module or a constant); that and
+    hashing the block's signature inside the key (``FSDPState.region_key`` holds it
+    hashed) cost about 40 ms per call site on config B. So ``call_in_region`` passes the
+    unsharded parameters, the args, the kwargs' names and then their values one by one,
+    led by the counts that split them here. The kwargs come sorted by name: a reused
+    subgraph maps its tensor inputs by position, so blocks called with the same keywords
+    in another order must line up.
     """
     params, rest = flat[:num_params], flat[num_params:]
     args, named = rest[:num_args], rest[num_args:]
