@@ -1,5 +1,6 @@
 """settings.compile_regions: each sharded block traced once as a nested compile region, reused by every block."""
 
+import copy
 import operator
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compile_shard import fully_shard
 from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
@@ -139,7 +141,6 @@ def test_a_block_called_twice_per_forward_calls_its_region_twice_and_matches_the
     run_gloo(_reused_block_with_regions, 2)
 
 
-
 class _KeywordBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -172,10 +173,6 @@ class _KeywordModel(nn.Module):
 
 
 def _keyword_arguments_worker(rank, world_size):
-    import copy
-
-    from compile_shard import fully_shard
-
     settings.compile_regions = True
     torch.manual_seed(0)
     model = _KeywordModel()
