@@ -2,5 +2,6 @@
 
 from . import ops
 from ._api import FSDPModule, fully_shard
+from ._region import RegionSideEffectError
 
-__all__ = ["FSDPModule", "fully_shard", "ops"]
+__all__ = ["FSDPModule", "RegionSideEffectError", "fully_shard", "ops"]

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._group import FSDPParamGroup
 from ._param import FSDPParam, ParamUsage
-from ._region import REGIONS_SUPPORTED, accepts_region_call, block_signature, call_in_region
+from ._region import REGIONS_SUPPORTED, accepts_region_call, call_in_region
 from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -31,10 +31,8 @@ class FSDPState:
         self.is_root = True
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
-        # For [Note: sharded blocks as nested compile regions]: set for a module whose
-        # subtree holds no other fully_shard module.
-        # The hash of ``block_signature``: hashed once, not in every traced reuse key.
-        self.region_key: int | None = None
+        # For [Note: sharded blocks as nested compile regions]: the modules of a
+        # module whose subtree holds no other fully_shard module, else empty.
         self.region_modules: list[nn.Module] = []
 
     def claim_root(self) -> None:
@@ -86,7 +84,7 @@ class FSDPState:
             and REGIONS_SUPPORTED
             and torch.compiler.is_compiling()
             and not self.is_root
-            and self.region_key is not None
+            and bool(self.region_modules)
             and self.group.fsdp_params[0].unsharded_param is not None
             and accepts_region_call(args, kwargs)
         )
@@ -362,7 +360,6 @@ def fully_shard(
     module.__dict__[_STATE_ATTR] = state
     module.__class__ = _fsdp_class(type(module))
     if group is not None and not sharded_below:
-        state.region_key = hash(block_signature(module))
         state.region_modules = list(module.modules())
     state.claim_root()
     return cast(FSDPModule, module)

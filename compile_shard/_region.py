@@ -15,12 +15,23 @@ suite schedules them.
 
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
-(see ``block_signature``), its modules' ``training`` flags and the metadata of the
-call's arguments. Blocks with equal keys share one compiled subgraph, traced from the
-first of them. The key sees the modules' own state; it cannot see what a forward
-reads outside them (a global, a closure) or inside a shared object that changes
-between the blocks' calls. Such models keep regions off (``settings.compile_regions =
-False``, the default).
+(see ``block_signature``, read when the call is traced), its modules' ``training``
+flags, autocast, and the metadata of the call's arguments. Blocks with
+equal keys share one compiled subgraph, traced from the first of them. The key sees
+the modules' own state; it cannot see what a forward reads outside them (a global, a
+closure) or inside a shared object that changes between the blocks' calls. Such
+models keep regions off (``settings.compile_regions = False``, the default).
+
+[Note: a reused region replays no Python side effects]
+A reused call stamps out the traced subgraph: it runs the tensor computation of the
+first block and none of its Python. A forward that stores something on its modules
+(an auxiliary loss, a cached tensor) would store it for the first block only, so the
+traced region compares its modules' attributes before and after the forward and
+raises ``RegionSideEffectError`` for a write, which Dynamo passes on inside its
+``UncapturedHigherOrderOpError`` (with or without ``fullgraph``). Writes elsewhere (a
+list a hook appends to, a global) are not seen. A subgraph also returns only tensors: a forward
+returning anything else (``None`` in a tuple) raises the same error instead of
+failing inside Dynamo.
 
 Backward must still gather again for resharded groups; [Note: region parameters are
 saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
@@ -29,6 +40,7 @@ region keeps from saving the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any
 
@@ -73,12 +85,13 @@ def _base_class(module: nn.Module) -> type:
 
 
 def block_signature(module: nn.Module) -> tuple:
-    """What must be equal for two blocks to share one compiled region (``FSDPState.region_key`` is its hash).
+    """What must be equal for two blocks to share one compiled region (``_signature_hash`` hashes it).
 
     Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
     and ``requires_grad``, its hooks, and its other attributes (plain values by
     value, anything else by identity). ``training`` is left out: the reuse key reads
-    it at trace time, as ``model.eval()`` may change it after ``fully_shard``.
+    it through Dynamo, which guards on it, so ``model.eval()`` after a compile
+    recompiles.
     """
     skipped = {"_parameters", "_buffers", "_modules", "training"}
     signature = []
@@ -112,8 +125,8 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
     [Note: region arguments are flat]
     Dynamo flattens a region call's arguments with a traced ``pytree.tree_flatten``
     unless every argument is already a leaf (a tensor, a module or a constant); that and
-    hashing the block's signature inside the key (``FSDPState.region_key`` holds it
-    hashed) cost about 40 ms per call site on config B. So ``call_in_region`` passes the
+    tracing the block's signature inside the key (``_signature_hash`` computes it
+    untraced) cost about 40 ms per call site on config B. So ``call_in_region`` passes the
     unsharded parameters, the args, the kwargs' names and then their values one by one,
     led by the counts that split them here. The kwargs come sorted by name: a reused
     subgraph maps its tensor inputs by position, so blocks called with the same keywords
@@ -125,14 +138,29 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
     return params, args, dict(zip(named[:half], named[half:]))
 
 
+@torch.compiler.assume_constant_result
+def _signature_hash(module: nn.Module) -> int:
+    """``hash(block_signature(module))``, computed by plain Python while Dynamo traces the call.
+
+    Traced, the signature costs Dynamo tens of milliseconds per call site (see [Note:
+    region arguments are flat]); computed here, it is read when each trace runs, so
+    hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it: a change made after the first
+    compile is seen by the next trace only (``torch.compiler.reset()``).
+    """
+    return hash(block_signature(module))
+
+
 def _reuse_key(module: nn.Module, num_params: int, num_args: int, *flat: Any) -> int:
     """Traced by Dynamo for every call; equal keys reuse one subgraph."""
     state = module._compile_shard_state
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
+    device_type = unsharded_params[0].device.type
     return hash(
         (
-            state.region_key,
+            _signature_hash(module),
             tuple(submodule.training for submodule in state.region_modules),
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
             tuple(_tensor_key(tensor) for tensor in unsharded_params),
             tuple(_tensor_key(arg) for arg in args),
             tuple((name, _tensor_key(value)) for name, value in kwargs.items()),  # names come sorted
@@ -148,16 +176,69 @@ def _run_block(module: nn.Module, num_params: int, num_args: int, *flat: Any) ->
     state writes must happen inside the region: Dynamo allows them there, also when
     the block runs inside an activation-checkpoint region, which refuses any write.
     """
-    fsdp_params = module._compile_shard_state.group.fsdp_params
+    state = module._compile_shard_state
+    fsdp_params = state.group.fsdp_params
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
     with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
         viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
     for fsdp_param, tensor in zip(fsdp_params, viewed):
         fsdp_param.to_unsharded(tensor)
-    output = module._user_forward(*args, **kwargs)
+    attributes_before = [dict(submodule.__dict__) for submodule in state.region_modules]
+    with _ambient_autocast(unsharded_params[0].device.type):
+        output = module._user_forward(*args, **kwargs)
+    _check_no_attribute_writes(module, attributes_before)
+    _check_tensor_output(module, output)
     for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
         fsdp_param.to_unsharded(tensor)
     return output
+
+
+def _ambient_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """The caller's autocast, entered again inside the region.
+
+    [Note: autocast inside a region]
+    Autocast acts when AOTAutograd traces the ops, not in Dynamo's graph, so the body
+    Dynamo traces for a block is the same with or without it, and Dynamo shares one
+    body between equal bodies even where the reuse keys differ. A block called under
+    autocast then ran another block's full-precision subgraph (measured on torch
+    2.13: the output equal to the fp32 forward's). Entering the caller's autocast
+    inside the body puts it in the graph, where it keeps the bodies apart and applies.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type))
+
+
+class RegionSideEffectError(RuntimeError):
+    """A sharded block cannot share a compile region; see [Note: a reused region replays no Python side effects]."""
+
+
+_TURN_OFF = "set compile_shard.passes.settings.compile_regions = False for this model"
+
+
+def _check_no_attribute_writes(module: nn.Module, attributes_before: list[dict]) -> None:
+    state = module._compile_shard_state
+    for submodule, before in zip(state.region_modules, attributes_before):
+        for key, value in submodule.__dict__.items():
+            if key not in before or before[key] is not value:
+                name = next(name for name, candidate in module.named_modules() if candidate is submodule)
+                where = f"{state.group.module_name}.{name}" if name else state.group.module_name
+                raise RegionSideEffectError(
+                    f"compile_regions: the forward of {where} sets attribute {key!r}; a shared compile "
+                    f"region would set it for the first such block only. Keep the value out of the "
+                    f"module (return it) or {_TURN_OFF}"
+                )
+
+
+def _check_tensor_output(module: nn.Module, output: Any) -> None:
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            raise RegionSideEffectError(
+                f"compile_regions: the forward of {module._compile_shard_state.group.module_name} returns "
+                f"{type(item).__name__} in its output; a shared compile region returns a tensor or a "
+                f"tuple or list of tensors. Return tensors only or {_TURN_OFF}"
+            )
 
 
 _block_region = (

@@ -196,6 +196,106 @@ def test_keyword_arguments_reach_the_region_by_name_in_any_order():
     run_gloo(_keyword_arguments_worker, 2)
 
 
+class _ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.scale = 1.0
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+class _ScaledModel(nn.Module):
+    """Three alike blocks; ``autocast_block`` runs under bfloat16 autocast. ``proj`` as in ``_KeywordModel``."""
+
+    def __init__(self, autocast_block=None):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(3))
+        self.autocast_block = autocast_block
+
+    def forward(self, x):
+        x = self.proj(x)
+        for index, block in enumerate(self.blocks):
+            if index == self.autocast_block:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    x = block(x).float()
+            else:
+                x = block(x)
+        return x
+
+
+def _state_outside_the_signature_worker(rank, world_size, case):
+    settings.compile_regions = True
+    torch.manual_seed(0)
+    model = _ScaledModel(autocast_block=1 if case == "autocast" else None)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if case == "attribute_after_fully_shard":
+        model.blocks[1].scale = 3.0
+    reference = copy.deepcopy(model)  # sharded, run eagerly
+    capture = CapturingBackend(min_cut=True)
+    compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+    inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    torch.testing.assert_close(compiled(inputs), reference(inputs), rtol=0, atol=1e-6)
+    regions = _region_calls(capture.forward_graphs[0].graph)
+    # Blocks 0 and 2 share one subgraph; block 1's own is used once, so it is inlined.
+    assert len(regions) == 2 and len({node.args[1] for node in regions}) == 1
+
+
+@pytest.mark.parametrize("case", ["autocast", "attribute_after_fully_shard"])
+def test_a_block_that_differs_outside_its_parameters_gets_its_own_region(case):
+    """Autocast around one block, or an attribute changed after ``fully_shard``: that block is not stamped out."""
+    run_gloo(_state_outside_the_signature_worker, 2, case)
+
+
+class _WritingBlock(nn.Module):
+    def __init__(self, returns_none):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.returns_none = returns_none
+
+    def forward(self, x):
+        out = self.linear(x)
+        if self.returns_none:
+            return out, None
+        self.aux_loss = out.pow(2).mean()
+        return out
+
+
+@pytest.mark.parametrize(
+    "returns_none, message",
+    [
+        (False, r"forward of blocks\.0 sets attribute 'aux_loss'.*compile_regions = False"),
+        (True, r"forward of blocks\.0 returns NoneType.*compile_regions = False"),
+    ],
+)
+def test_a_block_whose_python_a_region_cannot_replay_is_refused(returns_none, message):
+    """See [Note: a reused region replays no Python side effects]."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(6, 6)
+            self.blocks = nn.ModuleList(_WritingBlock(returns_none) for _ in range(2))
+
+        def forward(self, x):
+            x = self.proj(x)
+            for block in self.blocks:
+                x = block(x)[0] if returns_none else block(x)
+            return x
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = Model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(Exception, match=message):
+            torch.compile(model, backend=CapturingBackend(min_cut=True).backend)(torch.randn(4, 6))
+
+
 # Hand-built graphs ---------------------------------------------------------------------------
 
 
