@@ -561,8 +561,9 @@ def _sum_shards_kernel(received, world_size, reduce_op="avg"):
     _check_reduce_op("sum_shards", reduce_op)
     _check_divisible("sum_shards", received, world_size)
     shards = received.view(world_size, -1)
-    sharded_grad = shards[0].clone()
-    for rank in range(1, world_size):
+    # The first sum allocates the result (no separate copy pass); ranks are added in order.
+    sharded_grad = shards[0] + shards[1] if world_size > 1 else shards[0].clone()
+    for rank in range(2, world_size):
         sharded_grad += shards[rank]
     if reduce_op == "avg":
         sharded_grad.div_(world_size)
