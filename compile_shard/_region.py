@@ -28,8 +28,10 @@ first block and none of its Python. A forward that stores something on its modul
 (an auxiliary loss, a cached tensor) would store it for the first block only, so the
 traced region compares its modules' attributes before and after the forward and
 raises ``RegionSideEffectError`` for a write, which Dynamo passes on inside its
-``UncapturedHigherOrderOpError`` (with or without ``fullgraph``). Writes elsewhere (a
-list a hook appends to, a global) are not seen. A subgraph also returns only tensors: a forward
+``UncapturedHigherOrderOpError`` (with or without ``fullgraph``). A block whose
+submodules run module hooks is inlined instead (``runs_hooks_inside``): a hook
+appending each block's output to a list appended once for three blocks. Writes the
+forward itself makes elsewhere (a global, a shared list) are not seen. A subgraph also returns only tensors: a forward
 returning anything else (``None`` in a tuple) raises the same error instead of
 failing inside Dynamo.
 
@@ -262,6 +264,25 @@ def accepts_region_call(args: tuple, kwargs: dict) -> bool:
         elif not isinstance(value, _PLAIN):
             return False
     return True
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
+
+
+@torch.compiler.assume_constant_result
+def runs_hooks_inside(module: nn.Module) -> bool:
+    """Whether calls inside ``module``'s forward run module hooks, which then runs inlined.
+
+    A hook is Python a reused region would not replay (see [Note: a reused region
+    replays no Python side effects]): one appending each block's output to a list
+    would append the first block's only. Hooks on ``module`` itself run outside the
+    region, around the wrapper that calls it. Read like ``_signature_hash``.
+    """
+    hooks = nn.modules.module
+    if any(getattr(hooks, name) for name in _GLOBAL_HOOK_DICTS):
+        return True
+    return any(getattr(sub, name) for sub in module.modules() if sub is not module for name in _HOOK_DICTS)
 
 
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:

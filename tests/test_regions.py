@@ -251,6 +251,25 @@ def test_a_block_that_differs_outside_its_parameters_gets_its_own_region(case):
     run_gloo(_state_outside_the_signature_worker, 2, case)
 
 
+def test_a_block_whose_submodules_run_hooks_is_inlined():
+    """A hook appending each block's output runs for every block, as in eager."""
+    outputs = []
+
+    def save_output(module, args, output):  # one function for all blocks: their signatures stay equal
+        outputs.append(output)
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        for block in model.blocks:
+            block.linear.register_forward_hook(save_output)
+            fully_shard(block)
+        fully_shard(model)
+        capture = CapturingBackend(min_cut=True)
+        output = torch.compile(model, backend=capture.backend, fullgraph=True)(torch.randn(4, 6))
+    assert len(outputs) == 3 and torch.equal(outputs[-1], output)
+    assert not _region_calls(capture.forward_graphs[0].graph)
+
+
 class _WritingBlock(nn.Module):
     def __init__(self, returns_none):
         super().__init__()
