@@ -16,9 +16,9 @@ suite schedules them.
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
 (see ``block_signature``, read when the call is traced), its modules' ``training``
-flags, autocast, and the metadata of the call's arguments. Blocks with
-equal keys share one compiled subgraph, traced from the first of them. The key sees
-the modules' own state; it cannot see what a forward reads outside them (a global, a
+flags, autocast, and the metadata of the call's arguments. Blocks with equal keys
+share one compiled subgraph, traced from the first of them. The key sees the
+modules' own state; it cannot see what a forward reads outside them (a global, a
 closure) or inside a shared object that changes between the blocks' calls. Such
 models keep regions off (``settings.compile_regions = False``, the default).
 
@@ -31,9 +31,9 @@ raises ``RegionSideEffectError`` for a write, which Dynamo passes on inside its
 ``UncapturedHigherOrderOpError`` (with or without ``fullgraph``). A block whose
 submodules run module hooks is inlined instead (``runs_hooks_inside``): a hook
 appending each block's output to a list appended once for three blocks. Writes the
-forward itself makes elsewhere (a global, a shared list) are not seen. A subgraph also returns only tensors: a forward
-returning anything else (``None`` in a tuple) raises the same error instead of
-failing inside Dynamo.
+forward itself makes elsewhere (a global, a shared list) are not seen. A subgraph
+also returns only tensors: a forward returning anything else (``None`` in a tuple)
+raises the same error instead of failing inside Dynamo.
 
 Backward must still gather again for resharded groups; [Note: region parameters are
 saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
@@ -128,8 +128,8 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
     Dynamo flattens a region call's arguments with a traced ``pytree.tree_flatten``
     unless every argument is already a leaf (a tensor, a module or a constant); that and
     tracing the block's signature inside the key (``_signature_hash`` computes it
-    untraced) cost about 40 ms per call site on config B. So ``call_in_region`` passes the
-    unsharded parameters, the args, the kwargs' names and then their values one by one,
+    untraced) cost about 40 ms per call site on config B. So ``call_in_region`` passes
+    the unsharded parameters, the args, the kwargs' names and then their values one by one,
     led by the counts that split them here. The kwargs come sorted by name: a reused
     subgraph maps its tensor inputs by position, so blocks called with the same keywords
     in another order must line up.
@@ -146,8 +146,9 @@ def _signature_hash(module: nn.Module) -> int:
 
     Traced, the signature costs Dynamo tens of milliseconds per call site (see [Note:
     region arguments are flat]); computed here, it is read when each trace runs, so
-    hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it: a change made after the first
-    compile is seen by the next trace only (``torch.compiler.reset()``).
+    hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it:
+    a change made after the first compile is seen by the next trace only
+    (``torch.compiler.reset()``).
     """
     return hash(block_signature(module))
 
