@@ -91,8 +91,8 @@ def block_signature(module: nn.Module) -> tuple:
 
     Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
     and ``requires_grad``, its hooks, and its other attributes (plain values by
-    value, anything else by identity). ``training`` is left out: the reuse key reads
-    it through Dynamo, which guards on it, so ``model.eval()`` after a compile
+    value, anything else by identity). ``training`` is left out: ``call_in_region``
+    reads it where Dynamo guards on it, so a block's ``eval()`` after a compile
     recompiles.
     """
     skipped = {"_parameters", "_buffers", "_modules", "training"}
@@ -153,15 +153,14 @@ def _signature_hash(module: nn.Module) -> int:
     return hash(block_signature(module))
 
 
-def _reuse_key(module: nn.Module, num_params: int, num_args: int, *flat: Any) -> int:
+def _reuse_key(module: nn.Module, training: int, num_params: int, num_args: int, *flat: Any) -> int:
     """Traced by Dynamo for every call; equal keys reuse one subgraph."""
-    state = module._compile_shard_state
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
     device_type = unsharded_params[0].device.type
     return hash(
         (
             _signature_hash(module),
-            tuple(submodule.training for submodule in state.region_modules),
+            training,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             tuple(_tensor_key(tensor) for tensor in unsharded_params),
@@ -171,13 +170,14 @@ def _reuse_key(module: nn.Module, num_params: int, num_args: int, *flat: Any) ->
     )
 
 
-def _run_block(module: nn.Module, num_params: int, num_args: int, *flat: Any) -> Any:
+def _run_block(module: nn.Module, training: int, num_params: int, num_args: int, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again on the way
     out instead of the caller restoring them afterwards, because all of its Python
     state writes must happen inside the region: Dynamo allows them there, also when
     the block runs inside an activation-checkpoint region, which refuses any write.
+    ``training`` (the modules' flags, hashed) is there for the reuse key only.
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
@@ -292,4 +292,8 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     unsharded_params = [fsdp_param.unsharded_param for fsdp_param in fsdp_params]
     names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
     flat = (*unsharded_params, *args, *names, *(kwargs[name] for name in names))
-    return _block_region(module, len(unsharded_params), len(args), *flat)
+    # Read here, not in the reuse key: Dynamo guards on what the outer trace reads, and
+    # installs no guard for reads inside ``reuse_hash_fn``, where one block's eval()
+    # after compiling did not recompile.
+    training = hash(tuple(submodule.training for submodule in module._compile_shard_state.region_modules))
+    return _block_region(module, training, len(unsharded_params), len(args), *flat)

@@ -270,6 +270,30 @@ def test_a_block_whose_submodules_run_hooks_is_inlined():
     assert not _region_calls(capture.forward_graphs[0].graph)
 
 
+def test_one_blocks_eval_after_compiling_recompiles():
+    """The region key's ``training`` flags are read where Dynamo guards on them."""
+
+    class DropoutBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.dropout = nn.Linear(6, 6), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.dropout(self.linear(x))
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        model.blocks = nn.ModuleList(DropoutBlock() for _ in range(3))
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        compiled = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)
+        compiled(torch.randn(4, 6))
+        model.blocks[2].eval()
+        compiled(torch.randn(4, 6))
+    assert recompiles() == 1
+
+
 class _WritingBlock(nn.Module):
     def __init__(self, returns_none):
         super().__init__()
