@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._group import FSDPParamGroup
 from ._param import FSDPParam, ParamUsage
-from ._region import REGIONS_SUPPORTED, accepts_region_call, call_in_region, runs_hooks_inside
+from ._region import REGIONS_SUPPORTED, accepts_region_call, call_in_region, runs_hooks_inside, updates_running_stats
 from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -88,6 +88,7 @@ class FSDPState:
             and self.group.fsdp_params[0].unsharded_param is not None
             and accepts_region_call(args, kwargs)
             and not runs_hooks_inside(self.module)
+            and not updates_running_stats(self.module)
         )
 
     def pre_forward(self) -> list[FSDPParamGroup]:

@@ -286,6 +286,21 @@ def runs_hooks_inside(module: nn.Module) -> bool:
     return any(getattr(sub, name) for sub in module.modules() if sub is not module for name in _HOOK_DICTS)
 
 
+@torch.compiler.assume_constant_result
+def updates_running_stats(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` updates batch-norm running statistics, which then runs inlined.
+
+    torch 2.13 refuses to train through a region that mutates a buffer in place
+    ("invoke_subgraph ... does not currently support training with in-place input or
+    buffer mutations"); inlined, the block trains as without regions. Read like
+    ``_signature_hash``; ``training`` is guarded by the inlined trace itself.
+    """
+    return any(
+        isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats and sub.training
+        for sub in module.modules()
+    )
+
+
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Runs the sharded ``module``'s forward inside the shared region, during a trace."""
     fsdp_params = module._compile_shard_state.group.fsdp_params

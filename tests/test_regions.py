@@ -294,6 +294,20 @@ def test_one_blocks_eval_after_compiling_recompiles():
     assert recompiles() == 1
 
 
+def test_a_block_updating_batch_norm_statistics_is_inlined():
+    """torch refuses in-place buffer updates inside a region in training; inlined, the block trains."""
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in range(3))
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        capture = CapturingBackend(min_cut=True)
+        torch.compile(model, backend=capture.backend, fullgraph=True)(torch.randn(4, 6)).sum().backward()
+    assert not _region_calls(capture.forward_graphs[0].graph)
+    assert all(block[1].num_batches_tracked.item() == 1 for block in model.blocks)
+
+
 class _WritingBlock(nn.Module):
     def __init__(self, returns_none):
         super().__init__()
