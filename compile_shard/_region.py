@@ -293,7 +293,8 @@ def updates_running_stats(module: nn.Module) -> bool:
     torch 2.13 refuses to train through a region that mutates a buffer in place
     ("invoke_subgraph ... does not currently support training with in-place input or
     buffer mutations"); inlined, the block trains as without regions. Read like
-    ``_signature_hash``; ``training`` is guarded by the inlined trace itself.
+    ``_signature_hash``; a later ``train()`` or ``eval()`` recompiles, as the inlined
+    trace or ``call_in_region`` reads ``training`` where Dynamo guards on it.
     """
     return any(
         isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats and sub.training
