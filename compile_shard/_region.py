@@ -283,7 +283,8 @@ def runs_hooks_inside(module: nn.Module) -> bool:
     hooks = nn.modules.module
     if any(getattr(hooks, name) for name in _GLOBAL_HOOK_DICTS):
         return True
-    return any(getattr(sub, name) for sub in module.modules() if sub is not module for name in _HOOK_DICTS)
+    submodules = module._compile_shard_state.region_modules[1:]  # [0] is ``module``
+    return any(getattr(sub, name) for sub in submodules for name in _HOOK_DICTS)
 
 
 @torch.compiler.assume_constant_result
@@ -298,7 +299,7 @@ def updates_running_stats(module: nn.Module) -> bool:
     """
     return any(
         isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats and sub.training
-        for sub in module.modules()
+        for sub in module._compile_shard_state.region_modules
     )
 
 
