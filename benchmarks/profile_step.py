@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --mode fsdp2_eager
     python benchmarks/profile_step.py --mode ddp_compiled --config A
     python benchmarks/profile_step.py --mode cs_compiled_regions   # settings.compile_regions on
+    python benchmarks/profile_step.py --mode cs_compiled --config A --no-reshard-after-forward
 
 Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
 it like ``train_bench.py`` does for the mode, runs two warm-up steps (compilation included) and profiles three
@@ -36,14 +37,14 @@ COMMUNICATION = (
 )
 
 
-def _build(mode: str, config) -> torch.nn.Module:
+def _build(mode: str, config, reshard_after_forward: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Llama(config)
     if mode == "ddp_compiled":
         return torch.compile(DistributedDataParallel(model))
     shard = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
     for block in model.layers:
-        shard(block)
+        shard(block, reshard_after_forward=reshard_after_forward)
     shard(model)
     compile_shard.passes.settings.compile_regions = mode == "cs_compiled_regions"
     return torch.compile(model) if mode.startswith("cs_compiled") else model
@@ -56,13 +57,13 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad()
 
 
-def _worker(rank: int, world_size: int, port: int, mode: str, top: int, config_name: str) -> None:
+def _worker(rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         bench = CONFIGS[config_name]
         config = bench.llama()
-        model = _build(mode, config)
+        model = _build(mode, config, reshard)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, config.vocab_size, (bench.batch_per_rank, bench.seq + 1), generator=generator)
@@ -98,12 +99,19 @@ def main(argv=None) -> None:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="FSDP blocks keep their parameters gathered from forward to backward",
+    )
     args = parser.parse_args(argv)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(args.world_size, port, args.mode, args.top, args.config), nprocs=args.world_size, join=True)
+    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward)
+    mp.spawn(_worker, args=spawn_args, nprocs=args.world_size, join=True)
 
 
 if __name__ == "__main__":

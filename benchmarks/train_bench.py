@@ -45,9 +45,15 @@ Measured per mode (docs/benchmarks.md explains each method):
 - Compiled modes: Dynamo's graph count and graph breaks (``torch._dynamo.utils.counters``)
   and recompiles (Dynamo's compilation metrics: torch 2.13 no longer fills
   ``counters["recompiles"]``).
+- CPU per timed step, per rank: user and system seconds and minor page faults of the
+  whole process (``getrusage``: gloo's threads included), to tell a step's compute
+  from the kernel's share and from idle waiting.
 - The largest difference of the per-step global loss from the reference.
 
 Figures are printed with their ratio to ``fsdp2_eager``; ``--json`` writes everything.
+``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
+backward (FSDP2's ``reshard_after_forward=False``): one all-gather per block and step
+instead of two, DDP's bytes per step.
 With ``--device cuda`` (or ``--fake-world-size``) one process per mode runs rank 0 of a
 fake process group: steps then measure compute, copies and launch overhead without
 communication, losses are not compared (the fake group moves no data), the reference
@@ -146,11 +152,13 @@ class BuildContext:
 
     mesh: DeviceMesh | None
     backend: str | Callable | None
+    #: For the blocks of the FSDP modes; the root keeps FSDP2's default (not resharded).
+    reshard_after_forward: bool = True
 
 
 def _build_cs(model: Llama, ctx: BuildContext) -> nn.Module:
     for block in model.layers:
-        fully_shard(block, mesh=ctx.mesh)
+        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward)
     return fully_shard(model, mesh=ctx.mesh)
 
 
@@ -160,7 +168,7 @@ def _build_cs_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
 
 def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
     for block in model.layers:
-        torch_fully_shard(block, mesh=ctx.mesh)
+        torch_fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward)
     return torch_fully_shard(model, mesh=ctx.mesh)
 
 
@@ -492,6 +500,7 @@ class Plan:
     master_addr: str
     port: int
     result_path: str
+    reshard_after_forward: bool = True
 
 
 def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -600,18 +609,38 @@ def _timed_steps(
     memory: MemoryProbe,
     distributed: bool,
     device: torch.device,
-) -> tuple[list[torch.Tensor], list[float]]:
-    """The cold step, the warm-up and the timed steps; returns each step's loss and time on this rank."""
+) -> tuple[list[torch.Tensor], list[float], dict]:
+    """The cold step, the warm-up and the timed steps.
+
+    Returns each step's loss and time on this rank, and this process's CPU time and
+    page faults per timed step (``_cpu_per_step``).
+    """
     losses, times = [], []
     for step, tokens in enumerate(batches):
         if step == 1 + warmup:
             memory.mark_timed_steps()
+            cpu_before = resource.getrusage(resource.RUSAGE_SELF)
         _barrier(distributed)
         start = time.perf_counter()
         losses.append(_train_step(runnable, optimizer, tokens, micro_batches))
         _synchronize(device)
         times.append(time.perf_counter() - start)
-    return losses, times
+    return losses, times, _cpu_per_step(cpu_before, resource.getrusage(resource.RUSAGE_SELF), len(batches) - 1 - warmup)
+
+
+def _cpu_per_step(before, after, steps: int) -> dict:
+    """CPU seconds (user, system) and minor page faults of the whole process, its threads included, per step.
+
+    Where a step's time goes beyond the profile of its main thread: gloo's own threads
+    (DDP's all-reduces run there), the kernel's share (socket copies, page faults of
+    fresh memory: with the fixed mmap threshold every large tensor is a fresh mapping)
+    and idle time (a step's time minus its CPU time, on a core of its own).
+    """
+    return {
+        "user_s": (after.ru_utime - before.ru_utime) / steps,
+        "system_s": (after.ru_stime - before.ru_stime) / steps,
+        "minor_faults": (after.ru_minflt - before.ru_minflt) / steps,
+    }
 
 
 def _run_rank(plan: Plan, rank: int) -> dict:
@@ -625,7 +654,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     recorder = GraphRecorder(plan.backend, keep_graphs=plan.fake and mode.counted_in_graphs)
     overlap_off = _switch_off_overlap_passes() if mode.overlap_off else None
     compile_shard.passes.settings.compile_regions = mode.compile_regions
-    ctx = BuildContext(_mesh(plan), recorder.backend() if mode.compiled else None)
+    ctx = BuildContext(_mesh(plan), recorder.backend() if mode.compiled else None, plan.reshard_after_forward)
     torch.manual_seed(0)
     model = Llama(plan.config.llama()).to(device)
     runnable = mode.build(model, ctx)
@@ -634,7 +663,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     memory = MemoryProbe(device)
     memory.mark_built()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, times = _timed_steps(
+    losses, times, cpu = _timed_steps(
         runnable, optimizer, batches[:-1], micro_batches, plan.config.warmup, memory, distributed, device
     )
     peak_mb, step_peak_mb = memory.peaks_mb()
@@ -645,6 +674,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     losses.append(count_loss)
     return {
         "times": times,
+        "cpu_per_step": cpu,
         "losses": [loss.item() for loss in losses],
         "peak_mb": peak_mb,
         "step_peak_mb": step_peak_mb,
@@ -672,6 +702,7 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
         "median_step_s": median,
         "min_step_s": min(timed),
         "step_times_s": timed,
+        "cpu_per_step": [r["cpu_per_step"] for r in per_rank],
         "peak_memory_mb": [r["peak_mb"] for r in per_rank],
         "step_peak_memory_mb": [r["step_peak_mb"] for r in per_rank],
         "param_memory_mb": [r["param_mb"] for r in per_rank],
@@ -862,6 +893,7 @@ def _describe(report: dict) -> str:
         f"batch {c['batch_per_rank']}/rank; W={report['world_size']} {group} on {report['device']}, "
         f"backend {report['backend']}, {report['threads_per_process']} thread(s)/process; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps; times: slowest rank; (x): ratio to {BASELINE_MODE}"
+        + ("" if report["reshard_after_forward"] else "; FSDP blocks not resharded after forward")
     )
 
 
@@ -907,6 +939,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fake-world-size", type=_at_least(1), help="run rank 0 of a fake process group of this size")
     parser.add_argument(
         "--cost-profile", default="h100_nvlink", help="fake process group: compile_shard.passes.cost_model profile"
+    )
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="the FSDP modes' blocks keep their parameters gathered from forward to backward (default: resharded)",
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
@@ -976,6 +1014,7 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "device": args.device,
         "backend": args.backend,
         "cost_profile": args.cost_profile if fake else None,
+        "reshard_after_forward": args.reshard_after_forward,
         "threads_per_process": threads,
         "torch": torch.__version__,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
@@ -1001,6 +1040,7 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
                 master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 port=_free_port(),
                 result_path=str(Path(scratch) / f"{name}.json"),
+                reshard_after_forward=args.reshard_after_forward,
             )
             start = time.perf_counter()
             results[name] = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)

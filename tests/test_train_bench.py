@@ -26,6 +26,7 @@ MODE_FIELDS = {
     "median_step_s",
     "min_step_s",
     "step_times_s",
+    "cpu_per_step",
     "peak_memory_mb",
     "step_peak_memory_mb",
     "param_memory_mb",
@@ -79,6 +80,10 @@ def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
         assert 0 < result["min_step_s"] <= result["median_step_s"] and result["cold_step_s"] > 0
         assert len(result["losses"]) == 1 + SMOKE_WARMUP + SMOKE_STEPS + 1  # cold, warm-up, timed, counting step
         assert len(result["peak_memory_mb"]) == len(result["param_memory_mb"]) == result["processes"]
+        assert len(result["cpu_per_step"]) == result["processes"]
+        for cpu in result["cpu_per_step"]:
+            assert set(cpu) == {"user_s", "system_s", "minor_faults"}, name
+            assert cpu["user_s"] > 0 and cpu["system_s"] >= 0 and cpu["minor_faults"] >= 0, (name, cpu)
         assert all(isinstance(mb, float) for mb in result["peak_memory_mb"] + result["step_peak_memory_mb"]), name
         assert set(result["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
         assert result["collectives_equal_on_all_ranks"]
@@ -94,6 +99,7 @@ def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
 def test_gloo_report_schema_and_ratios(gloo_report):
     _check_schema(gloo_report, GLOO_MODES, world_size=2)
     assert gloo_report["process_group"] == "gloo"
+    assert gloo_report["reshard_after_forward"] is True
     processes = {name: result["processes"] for name, result in gloo_report["modes"].items()}
     assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1}
 
@@ -169,6 +175,21 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
     assert regions["graph_collectives"] == compiled["graph_collectives"]  # backward still gathers again
     assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
+
+
+def test_blocks_kept_gathered_after_forward(tmp_path_factory):
+    """``--no-reshard-after-forward`` reaches both FSDP implementations: backward gathers nothing."""
+    report = _run(
+        tmp_path_factory,
+        "no_reshard",
+        *("--device", "cpu", "--fake-world-size", "2", "--modes", "cs_compiled,fsdp2_eager"),
+        "--no-reshard-after-forward",
+    )
+    assert report["reshard_after_forward"] is False
+    # 2 blocks and the root gather once, in forward; one reduce-scatter per group.
+    expected = {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
+    for name, result in report["modes"].items():
+        assert result["collectives"] == expected, name
 
 
 def _bench_and_args(*argv: str):
