@@ -15,12 +15,30 @@ suite schedules them.
 
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
-(see ``block_signature``, read when the call is traced), its modules' ``training``
-flags, autocast, and the metadata of the call's arguments. Blocks with equal keys
-share one compiled subgraph, traced from the first of them. The key sees the
-modules' own state; it cannot see what a forward reads outside them (a global, a
-closure) or inside a shared object that changes between the blocks' calls. Such
-models keep regions off (``settings.compile_regions = False``, the default).
+(see ``block_signature``, read when the call is traced), its modules' plain
+attributes (``training`` among them) read where Dynamo guards on them, autocast, and
+the metadata of the call's arguments. Blocks with equal keys share one compiled
+subgraph, traced from the first of them. The key sees the modules' own state; it
+cannot see what a forward reads outside them (a global, a closure) or inside a
+shared object that changes between the blocks' calls. Such models keep regions off
+(``settings.compile_regions = False``, the default).
+
+[Note: region keys are guarded]
+Dynamo guards on what the outer trace reads, and on nothing read inside
+``reuse_hash_fn`` or an ``assume_constant_result`` function: a block's ``eval()``, or
+``blocks[2].scale = 3.0``, after the first compile would not recompile, and block 2
+would go on running block 0's subgraph. So ``call_in_region`` reads every plain
+attribute of the block's modules (``training``, ``eps``, ``in_features``, a user's
+``scale``: 42 per Llama block) in the outer trace, where each read is a guard on its
+value, and passes their hash to the region; a change recompiles and the new trace
+keys that block apart. Which attributes to read is found per trace
+(``_plain_attributes``). Not guarded: attributes added after the first compile,
+and attributes that are objects (keyed by identity when the trace runs).
+
+A number that changed is not always a new constant: Dynamo recompiles with it as a
+symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
+which a region body cannot take from its caller ("Freevar has no source"). That
+block then runs inlined, like a call with symbolic sizes (``accepts_region_call``).
 
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
@@ -92,8 +110,8 @@ def block_signature(module: nn.Module) -> tuple:
     Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
     and ``requires_grad``, its hooks, and its other attributes (plain values by
     value, anything else by identity). ``training`` is left out: ``call_in_region``
-    reads it where Dynamo guards on it, so a block's ``eval()`` after a compile
-    recompiles.
+    reads it, with the other plain values, where Dynamo guards on them ([Note: region
+    keys are guarded]).
     """
     skipped = {"_parameters", "_buffers", "_modules", "training"}
     signature = []
@@ -153,14 +171,14 @@ def _signature_hash(module: nn.Module) -> int:
     return hash(block_signature(module))
 
 
-def _reuse_key(module: nn.Module, training: int, num_params: int, num_args: int, *flat: Any) -> int:
+def _reuse_key(module: nn.Module, attributes: int, num_params: int, num_args: int, *flat: Any) -> int:
     """Traced by Dynamo for every call; equal keys reuse one subgraph."""
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
     device_type = unsharded_params[0].device.type
     return hash(
         (
             _signature_hash(module),
-            training,
+            attributes,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             tuple(_tensor_key(tensor) for tensor in unsharded_params),
@@ -170,14 +188,14 @@ def _reuse_key(module: nn.Module, training: int, num_params: int, num_args: int,
     )
 
 
-def _run_block(module: nn.Module, training: int, num_params: int, num_args: int, *flat: Any) -> Any:
+def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: int, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again on the way
     out instead of the caller restoring them afterwards, because all of its Python
     state writes must happen inside the region: Dynamo allows them there, also when
     the block runs inside an activation-checkpoint region, which refuses any write.
-    ``training`` (the modules' flags, hashed) is there for the reuse key only.
+    ``attributes`` (the modules' plain attributes, hashed) is there for the reuse key only.
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
@@ -303,14 +321,40 @@ def updates_running_stats(module: nn.Module) -> bool:
     )
 
 
+@torch.compiler.assume_constant_result
+def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...]]:
+    """Where the block's modules hold plain values, found per trace.
+
+    The names for each module of ``region_modules``, and the positions among all of
+    them of the numbers (``int`` or ``float``, not ``bool``), which Dynamo may make
+    symbolic.
+    """
+    values = [
+        {name: value for name, value in sorted(submodule.__dict__.items()) if isinstance(value, _PLAIN)}
+        for submodule in module._compile_shard_state.region_modules
+    ]
+    flat = [value for plain in values for value in plain.values()]
+    numbers = tuple(position for position, value in enumerate(flat) if value.__class__ in (int, float))
+    return tuple(tuple(plain) for plain in values), numbers
+
+
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Runs the sharded ``module``'s forward inside the shared region, during a trace."""
-    fsdp_params = module._compile_shard_state.group.fsdp_params
-    unsharded_params = [fsdp_param.unsharded_param for fsdp_param in fsdp_params]
+    """Runs the sharded ``module``'s forward inside the shared region, during a trace.
+
+    Or inlined, where one of its modules' numbers has become symbolic ([Note: region
+    keys are guarded]).
+    """
+    state = module._compile_shard_state
+    unsharded_params = [fsdp_param.unsharded_param for fsdp_param in state.group.fsdp_params]
     names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
     flat = (*unsharded_params, *args, *names, *(kwargs[name] for name in names))
-    # Read here, not in the reuse key: Dynamo guards on what the outer trace reads, and
-    # installs no guard for reads inside ``reuse_hash_fn``, where one block's eval()
-    # after compiling did not recompile.
-    training = hash(tuple(submodule.training for submodule in module._compile_shard_state.region_modules))
-    return _block_region(module, training, len(unsharded_params), len(args), *flat)
+    attribute_names, numbers = _plain_attributes(module)
+    # Each read is a guard on the value: [Note: region keys are guarded].
+    values = tuple(
+        getattr(submodule, name)
+        for submodule, module_names in zip(state.region_modules, attribute_names)
+        for name in module_names
+    )
+    if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
+        return module._user_forward(*args, **kwargs)
+    return _block_region(module, hash(values), len(unsharded_params), len(args), *flat)

@@ -251,6 +251,31 @@ def test_a_block_that_differs_outside_its_parameters_gets_its_own_region(case):
     run_gloo(_state_outside_the_signature_worker, 2, case)
 
 
+def _attribute_changed_after_compiling_worker(rank, world_size):
+    settings.compile_regions = True
+    torch.manual_seed(0)
+    model = _ScaledModel()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    reference = copy.deepcopy(model)  # sharded, run eagerly
+    capture = CapturingBackend(min_cut=True)
+    compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+    inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    compiled(inputs)
+    for module in (model, reference):
+        module.blocks[2].scale = 3.0
+    torch.testing.assert_close(compiled(inputs), reference(inputs), rtol=0, atol=1e-6)
+    assert recompiles() == 1
+    # Blocks 0 and 1 still share one subgraph; block 2's own is used once, so it is inlined.
+    assert len(_region_calls(capture.forward_graphs[-1].graph)) == 2
+
+
+def test_an_attribute_changed_after_compiling_recompiles():
+    """[Note: region keys are guarded]: block 2 must not go on running block 0's subgraph."""
+    run_gloo(_attribute_changed_after_compiling_worker, 2)
+
+
 def test_a_block_whose_submodules_run_hooks_is_inlined():
     """A hook appending each block's output runs for every block, as in eager."""
     outputs = []
