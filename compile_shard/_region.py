@@ -165,8 +165,9 @@ def _signature_hash(module: nn.Module) -> int:
     Traced, the signature costs Dynamo tens of milliseconds per call site (see [Note:
     region arguments are flat]); computed here, it is read when each trace runs, so
     hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it:
-    a change made after the first compile is seen by the next trace only
-    (``torch.compiler.reset()``).
+    of a change made after the first compile, only one to a plain value recompiles
+    (``call_in_region`` reads those, [Note: region keys are guarded]); any other is
+    seen by the next trace (``torch.compiler.reset()``).
     """
     return hash(block_signature(module))
 
