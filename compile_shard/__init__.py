@@ -2,6 +2,6 @@
 
 from . import ops
 from ._api import FSDPModule, fully_shard
-from ._region import RegionSideEffectError
+from ._region import RegionInlinedWarning
 
-__all__ = ["FSDPModule", "RegionSideEffectError", "fully_shard", "ops"]
+__all__ = ["FSDPModule", "RegionInlinedWarning", "fully_shard", "ops"]

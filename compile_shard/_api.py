@@ -12,7 +12,14 @@ from torch.utils._pytree import tree_flatten
 
 from ._group import FSDPParamGroup
 from ._param import FSDPParam, ParamUsage
-from ._region import REGIONS_SUPPORTED, accepts_region_call, call_in_region, runs_hooks_inside, updates_running_stats
+from ._region import (
+    REGIONS_SUPPORTED,
+    accepts_region_call,
+    call_in_region,
+    runs_hooks_inside,
+    runs_inlined_after_restart,
+    updates_running_stats,
+)
 from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -89,6 +96,7 @@ class FSDPState:
             and accepts_region_call(args, kwargs)
             and not runs_hooks_inside(self.module)
             and not updates_running_stats(self.module)
+            and not runs_inlined_after_restart(self.module)
         )
 
     def pre_forward(self) -> list[FSDPParamGroup]:

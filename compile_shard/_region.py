@@ -18,10 +18,14 @@ so the region carries its own reuse key (``reuse_hash_fn``): the block's signatu
 (see ``block_signature``, read when the call is traced), its modules' plain
 attributes (``training`` among them) read where Dynamo guards on them, autocast, and
 the metadata of the call's arguments. Blocks with equal keys share one compiled
-subgraph, traced from the first of them. The key sees the modules' own state; it
-cannot see what a forward reads outside them (a global, a closure) or inside a
-shared object that changes between the blocks' calls. Such models keep regions off
-(``settings.compile_regions = False``, the default).
+subgraph, traced from the first of them. What a body reads outside the modules (a
+global, a shared object) is a constant of that first trace: a write to it between
+the blocks' calls keys the later blocks apart ([Note: writes between blocks key them
+apart]), and a change between steps fails the first block's guards and recompiles.
+A number changed that way comes back symbolic (automatic dynamic), which torch 2.13
+fails to compile inside a region body (measured: a global float the blocks read);
+kept as a module attribute or passed as an argument, it runs the block inlined
+instead (see below and ``accepts_region_call``).
 
 [Note: region keys are guarded]
 Dynamo guards on what the outer trace reads, and on nothing read inside
@@ -42,16 +46,34 @@ block then runs inlined, like a call with symbolic sizes (``accepts_region_call`
 
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
-first block and none of its Python. A forward that stores something on its modules
-(an auxiliary loss, a cached tensor) would store it for the first block only, so the
-traced region compares its modules' attributes before and after the forward and
-raises ``RegionSideEffectError`` for a write, which Dynamo passes on inside its
-``UncapturedHigherOrderOpError`` (with or without ``fullgraph``). A block whose
-submodules run module hooks is inlined instead (``runs_hooks_inside``): a hook
-appending each block's output to a list appended once for three blocks. Writes the
-forward itself makes elsewhere (a global, a shared list) are not seen. A subgraph
-also returns only tensors: a forward returning anything else (``None`` in a tuple)
-raises the same error instead of failing inside Dynamo.
+first block and none of its Python. A forward that writes state outside the region
+(an auxiliary loss stored on its module, a global counter, a list it appends to)
+would write it for the first block only; torch 2.13 does not refuse such a region
+when a ``reuse_hash_fn`` keys it (a global incremented in the body ran once for three
+calls, measured). So the traced body reads Dynamo's record of the first write the
+block's forward made to anything it did not create (``side_effect_stack``, which
+Dynamo keeps per subgraph tracer; the region's own parameter writes are cleared from
+it first), and a forward that wrote, or that returns anything but tensors (which a
+subgraph cannot return), does not get a region: its signature is added to
+``_INLINED_SIGNATURES``, a ``RegionInlinedWarning`` names the module and the write,
+and Dynamo restarts the frame's analysis, in which every block with that signature
+runs inlined and its Python runs for each block, as without regions. Only the body's
+first trace is checked; the blocks that reuse it run the same code. A write made
+inside a higher-order op nested in the forward (the user's own
+``nested_compile_region``) is recorded on that op's tracer and not warned about; it
+still keys the later blocks apart ([Note: writes between blocks key them apart]).
+
+[Note: writes between blocks key them apart]
+A body reads state outside the block (a global, a shared dict) as a constant of the
+first block's trace. A caller that changes it between the blocks' calls (``SCALE = i``
+before calling block ``i``) would leave every later block with the first one's value.
+So each call's reuse key holds ``_writes_so_far()``: what the trace has written until
+then to anything compile_shard does not own (its own writes are the ``FSDPParam``
+attributes that show the gathered parameters). Between two calls with no such write
+the keys stay equal; after one they differ, and the later block is traced anew.
+
+A block whose submodules run module hooks is inlined without tracing it first
+(``runs_hooks_inside``): hooks are Python the signature holds by identity only.
 
 Backward must still gather again for resharded groups; [Note: region parameters are
 saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
@@ -62,10 +84,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import os
+import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._dynamo.exc import RestartAnalysis
+from torch._dynamo.symbolic_convert import InstructionTranslator
+
+from ._param import FSDPParam
 
 #: ``torch.fx.traceback.annotate`` key on the view through which a region reads each
 #: unsharded parameter argument; ``compile_shard.passes.regions`` finds them by it.
@@ -205,11 +234,11 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: in
         viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
     for fsdp_param, tensor in zip(fsdp_params, viewed):
         fsdp_param.to_unsharded(tensor)
-    attributes_before = [dict(submodule.__dict__) for submodule in state.region_modules]
+    _forget_side_effects()
     with _ambient_autocast(unsharded_params[0].device.type):
         output = module._user_forward(*args, **kwargs)
-    _check_no_attribute_writes(module, attributes_before)
-    _check_tensor_output(module, output)
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
     for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
         fsdp_param.to_unsharded(tensor)
     return output
@@ -231,36 +260,86 @@ def _ambient_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type))
 
 
-class RegionSideEffectError(RuntimeError):
-    """A sharded block cannot share a compile region; see [Note: a reused region replays no Python side effects]."""
+class RegionInlinedWarning(UserWarning):
+    """A sharded block runs inlined instead of in a shared compile region; see [Note: a reused region replays no Python side effects]."""
 
 
-_TURN_OFF = "set compile_shard.passes.settings.compile_regions = False for this model"
+_TORCH_DIR = os.path.dirname(torch.__file__)  # the write's frame named is the innermost outside torch
+
+#: ``_signature_hash`` of the blocks whose forward a shared region cannot replay.
+_INLINED_SIGNATURES: set[int] = set()
 
 
-def _check_no_attribute_writes(module: nn.Module, attributes_before: list[dict]) -> None:
-    state = module._compile_shard_state
-    for submodule, before in zip(state.region_modules, attributes_before):
-        for key, value in submodule.__dict__.items():
-            if key not in before or before[key] is not value:
-                name = next(name for name, candidate in module.named_modules() if candidate is submodule)
-                where = f"{state.group.module_name}.{name}" if name else state.group.module_name
-                raise RegionSideEffectError(
-                    f"compile_regions: the forward of {where} sets attribute {key!r}; a shared compile "
-                    f"region would set it for the first such block only. Keep the value out of the "
-                    f"module (return it) or {_TURN_OFF}"
-                )
+def _subgraph_tracer() -> Any:
+    """The tracer of the region body Dynamo is tracing now."""
+    return InstructionTranslator.current_tx().output.current_tracer
 
 
-def _check_tensor_output(module: nn.Module, output: Any) -> None:
-    items = output if isinstance(output, (tuple, list)) else (output,)
-    for item in items:
-        if not isinstance(item, torch.Tensor):
-            raise RegionSideEffectError(
-                f"compile_regions: the forward of {module._compile_shard_state.group.module_name} returns "
-                f"{type(item).__name__} in its output; a shared compile region returns a tensor or a "
-                f"tuple or list of tensors. Return tensors only or {_TURN_OFF}"
-            )
+@torch.compiler.assume_constant_result
+def _forget_side_effects() -> int:
+    """Clears the body's record of side effects: what the block's forward writes is recorded anew."""
+    _subgraph_tracer().side_effect_stack = None
+    return 0
+
+
+@torch.compiler.assume_constant_result
+def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> int:
+    """Restarts Dynamo's analysis with ``module``'s blocks inlined if a region cannot replay its forward."""
+    written_at = _subgraph_tracer().side_effect_stack
+    if written_at is not None:
+        frame = next((f for f in reversed(written_at) if not f.filename.startswith(_TORCH_DIR)), written_at[-1])
+        reason = (
+            f"writes state it did not create ({frame.name} at {frame.line!r}), which a shared compile region "
+            f"would write for the first such block only"
+        )
+    elif not returns_tensors_only:
+        reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
+    else:
+        return 0
+    _INLINED_SIGNATURES.add(_signature_hash(module))
+    warnings.warn(
+        f"compile_regions: the forward of {module._compile_shard_state.group.module_name} {reason}; blocks like "
+        f"it run inlined",
+        RegionInlinedWarning,
+        stacklevel=2,
+    )
+    tx = InstructionTranslator.current_tx()
+    tx.speculation_log.clear()  # the new analysis takes another path from here on
+    raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
+
+
+_untracked_writes = itertools.count(1)
+
+
+@torch.compiler.assume_constant_result
+def _writes_so_far() -> int:
+    """A hash of the writes this trace has made so far to state compile_shard does not own; 0 for none.
+
+    See [Note: writes between blocks key them apart]. A write is keyed by the
+    variables Dynamo holds for the values written, which are new for each write. A
+    container whose contents cannot be read here gives every later call a key of its
+    own.
+    """
+    side_effects = InstructionTranslator.current_tx().output.side_effects
+    writes = [
+        (id(item), tuple((name, id(value)) for name, value in attributes.items()))
+        for item, attributes in side_effects.store_attr_mutations.items()
+        if not isinstance(getattr(item, "value", None), FSDPParam)
+    ]
+    for item in side_effects.id_to_variable.values():
+        if item in side_effects.store_attr_mutations or item.is_tensor() or not side_effects.is_modified(item):
+            continue
+        contents = getattr(item, "items", None)
+        if isinstance(contents, dict):
+            contents = list(contents.values())
+        writes.append((id(item), tuple(map(id, contents)) if isinstance(contents, list) else next(_untracked_writes)))
+    return hash(tuple(writes)) if writes else 0
+
+
+@torch.compiler.assume_constant_result
+def runs_inlined_after_restart(module: nn.Module) -> bool:
+    """Whether ``_inline_if_not_replayable`` inlined blocks like ``module``; read like ``_signature_hash``."""
+    return _signature_hash(module) in _INLINED_SIGNATURES
 
 
 _block_region = (
@@ -358,4 +437,5 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     )
     if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return module._user_forward(*args, **kwargs)
-    return _block_region(module, hash(values), len(unsharded_params), len(args), *flat)
+    key = hash((values, _writes_so_far()))
+    return _block_region(module, key, len(unsharded_params), len(args), *flat)
