@@ -288,20 +288,27 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
     written_at = _subgraph_tracer().side_effect_stack
     if written_at is not None:
         frame = next((f for f in reversed(written_at) if not f.filename.startswith(_TORCH_DIR)), written_at[-1])
+        filename, lineno = frame.filename, frame.lineno or 0
         reason = (
             f"writes state it did not create ({frame.name} at {frame.line!r}), which a shared compile region "
             f"would write for the first such block only"
         )
     elif not returns_tensors_only:
+        from ._api import FSDPModule  # the class fully_shard mixes in, whose module imports this one
+
+        code = super(FSDPModule, module).forward.__code__  # the user's forward
+        filename, lineno = code.co_filename, code.co_firstlineno
         reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
     else:
         return 0
     _INLINED_SIGNATURES.add(_signature_hash(module))
-    warnings.warn(
+    # Warned at the user's line (the write, or the forward), not inside Dynamo, which calls this.
+    warnings.warn_explicit(
         f"compile_regions: the forward of {module._compile_shard_state.group.module_name} {reason}; blocks like "
         f"it run inlined",
         RegionInlinedWarning,
-        stacklevel=2,
+        filename,
+        lineno,
     )
     tx = InstructionTranslator.current_tx()
     tx.speculation_log.clear()  # the new analysis takes another path from here on

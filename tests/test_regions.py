@@ -402,8 +402,9 @@ def test_a_block_whose_python_a_region_cannot_replay_runs_inlined(write, message
             block.__dict__.pop("aux_loss", None)
         _WRITES["global"], _WRITES["list"] = 0, []
         capture = CapturingBackend(min_cut=True)
-        with pytest.warns(RegionInlinedWarning, match=message):
+        with pytest.warns(RegionInlinedWarning, match=message) as warned:
             output = torch.compile(model, backend=capture.backend, fullgraph=True)(inputs)
+    assert [warning.filename for warning in warned] == [__file__]  # the block's line, not Dynamo's
     assert not _region_calls(capture.forward_graphs[0].graph)
     assert _writes_seen(model, write) == 3
     torch.testing.assert_close(output, expected)
