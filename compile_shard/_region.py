@@ -68,8 +68,8 @@ A body reads state outside the block (a global, a shared dict) as a constant of 
 first block's trace. A caller that changes it between the blocks' calls (``SCALE = i``
 before calling block ``i``) would leave every later block with the first one's value.
 So each call's reuse key holds ``_writes_so_far()``: what the trace has written until
-then to anything compile_shard does not own (its own writes are the ``FSDPParam``
-attributes that show the gathered parameters). Between two calls with no such write
+then to objects that existed before it, other than compile_shard's own (the
+``FSDPParam`` attributes that show the gathered parameters). Between two calls with no such write
 the keys stay equal; after one they differ, and the later block is traced anew.
 
 A block whose submodules run module hooks is inlined without tracing it first
@@ -93,6 +93,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.exc import RestartAnalysis
 from torch._dynamo.symbolic_convert import InstructionTranslator
+from torch._dynamo.variables.base import AttributeMutationExisting, ValueMutationExisting
 
 from ._param import FSDPParam
 
@@ -261,7 +262,10 @@ def _ambient_autocast(device_type: str) -> contextlib.AbstractContextManager:
 
 
 class RegionInlinedWarning(UserWarning):
-    """A sharded block runs inlined instead of in a shared compile region; see [Note: a reused region replays no Python side effects]."""
+    """A sharded block runs inlined instead of in a shared compile region.
+
+    See [Note: a reused region replays no Python side effects].
+    """
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)  # the write's frame named is the innermost outside torch
@@ -322,19 +326,22 @@ _untracked_writes = itertools.count(1)
 def _writes_so_far() -> int:
     """A hash of the writes this trace has made so far to state compile_shard does not own; 0 for none.
 
-    See [Note: writes between blocks key them apart]. A write is keyed by the
-    variables Dynamo holds for the values written, which are new for each write. A
-    container whose contents cannot be read here gives every later call a key of its
-    own.
+    See [Note: writes between blocks key them apart]. Only objects that existed
+    before the trace count: one the trace created (a list the forward collects outputs
+    in, the cells of the closures each call makes) is no state a block's body can read
+    other than through an existing one. A write is keyed by the variables Dynamo holds
+    for the values written, which are new for each write. A container whose contents
+    cannot be read here gives every later call a key of its own.
     """
     side_effects = InstructionTranslator.current_tx().output.side_effects
     writes = [
         (id(item), tuple((name, id(value)) for name, value in attributes.items()))
         for item, attributes in side_effects.store_attr_mutations.items()
-        if not isinstance(getattr(item, "value", None), FSDPParam)
+        if isinstance(item.mutation_type, AttributeMutationExisting)
+        and not isinstance(getattr(item, "value", None), FSDPParam)
     ]
     for item in side_effects.id_to_variable.values():
-        if item in side_effects.store_attr_mutations or item.is_tensor() or not side_effects.is_modified(item):
+        if not isinstance(item.mutation_type, ValueMutationExisting) or not side_effects.is_modified(item):
             continue
         contents = getattr(item, "items", None)
         if isinstance(contents, dict):

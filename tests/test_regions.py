@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
@@ -33,10 +33,11 @@ N_LAYERS = 3
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
-def _compile_with_regions(world_size, tag_regions=True, block_reshard=None):
+def _compile_with_regions(world_size, tag_regions=True, block_reshard=None, checkpoint_blocks=False):
     capture = CapturingBackend(min_cut=True, tag_regions=tag_regions)
     with FakeProcessGroup(world_size), pass_settings(compile_regions=True):
-        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS), block_reshard=block_reshard)
+        config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
+        model, _ = build_sharded_llama(config, block_reshard=block_reshard)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         tokens = torch.randint(0, 1001, (2, 9))
         for _ in range(2):
@@ -48,6 +49,15 @@ def _region_calls(graph: fx.Graph) -> list[fx.Node]:
     return graph.find_nodes(op="call_function", target=invoke_subgraph)
 
 
+def _region_body_traces() -> int:
+    """How many region bodies Dynamo traced; a reused one is stamped out instead.
+
+    Dynamo merges equal bodies into one subgraph even where their keys differ, so the
+    graph's subgraph names cannot tell a reused region from one traced again.
+    """
+    return len(compilation_time_metrics.get("invoke_subgraph_trace", []))
+
+
 @pytest.mark.parametrize("world_size", [2, 8])
 def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     model, capture = _compile_with_regions(world_size)
@@ -56,6 +66,7 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     forward_regions = _region_calls(forward.graph)
     assert len(forward_regions) == N_LAYERS
     assert len({node.args[1] for node in forward_regions}) == 1  # one subgraph, stamped out per block
+    assert _region_body_traces() == 1
     assert len(_region_calls(backward.graph)) == N_LAYERS
     # The cost model charges a region what its nodes cost (the block's matmuls), not its bytes.
     profile = get_profile("h100_nvlink")
@@ -72,6 +83,13 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     }
     saved = {tuple(node.meta["val"].shape) for node in output.args[0] if isinstance(node, fx.Node)}
     assert block_only and not saved & block_only, saved & block_only
+
+
+def test_checkpointed_blocks_share_one_region():
+    """Tracing the checkpoints writes nothing that keys the blocks apart ([Note: writes between blocks key them apart])."""
+    _, capture = _compile_with_regions(2, checkpoint_blocks=True)
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == N_LAYERS
+    assert _region_body_traces() == 1
 
 
 def test_graph_dumps_list_the_region_bodies(tmp_path):
@@ -452,6 +470,26 @@ def test_state_the_caller_writes_between_blocks_keys_them_apart(written):
         inputs = torch.randn(4, 6)
         output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
         torch.testing.assert_close(output, model(inputs))
+
+
+def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
+    """Only state that existed before the trace counts as a write between blocks."""
+
+    class Model(_ScaledModel):
+        def forward(self, x):
+            x, outputs = self.proj(x), []
+            for block in self.blocks:
+                x = block(x)
+                outputs.append(x)
+            return torch.stack(outputs).sum(0)
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = Model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(torch.randn(4, 6))
+    assert _region_body_traces() == 1
 
 
 # Hand-built graphs ---------------------------------------------------------------------------
