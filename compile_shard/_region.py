@@ -69,8 +69,9 @@ first block's trace. A caller that changes it between the blocks' calls (``SCALE
 before calling block ``i``) would leave every later block with the first one's value.
 So each call's reuse key holds ``_writes_so_far()``: what the trace has written until
 then to objects that existed before it, other than compile_shard's own (the
-``FSDPParam`` attributes that show the gathered parameters). Between two calls with no such write
-the keys stay equal; after one they differ, and the later block is traced anew.
+``FSDPParam`` attributes that show the gathered parameters). Between two calls with
+no such write the keys stay equal; after one they differ, and the later block is
+traced anew.
 
 A block whose submodules run module hooks is inlined without tracing it first
 (``runs_hooks_inside``): hooks are Python the signature holds by identity only.
@@ -268,7 +269,7 @@ class RegionInlinedWarning(UserWarning):
     """
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)  # the write's frame named is the innermost outside torch
+_TORCH_DIR = os.path.dirname(torch.__file__)  # a warning names the innermost frame outside torch
 
 #: ``_signature_hash`` of the blocks whose forward a shared region cannot replay.
 _INLINED_SIGNATURES: set[int] = set()
