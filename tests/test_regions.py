@@ -45,6 +45,12 @@ def _compile_with_regions(world_size, tag_regions=True, block_reshard=None, chec
     return model, capture
 
 
+def _shard_blocks_and_root(model: nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
 def _region_calls(graph: fx.Graph) -> list[fx.Node]:
     return graph.find_nodes(op="call_function", target=invoke_subgraph)
 
@@ -195,9 +201,7 @@ def _keyword_arguments_worker(rank, world_size):
     torch.manual_seed(0)
     model = _KeywordModel()
     reference = copy.deepcopy(model)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    _shard_blocks_and_root(model)
     capture = CapturingBackend(min_cut=True)
     compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
     inputs = torch.randn(world_size * 4, 6, generator=torch.Generator().manual_seed(1))
@@ -248,9 +252,7 @@ def _state_outside_the_signature_worker(rank, world_size, case):
     settings.compile_regions = True
     torch.manual_seed(0)
     model = _ScaledModel(autocast_block=1 if case == "autocast" else None)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    _shard_blocks_and_root(model)
     if case == "attribute_after_fully_shard":
         model.blocks[1].scale = 3.0
     reference = copy.deepcopy(model)  # sharded, run eagerly
@@ -273,9 +275,7 @@ def _attribute_changed_after_compiling_worker(rank, world_size):
     settings.compile_regions = True
     torch.manual_seed(0)
     model = _ScaledModel()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    _shard_blocks_and_root(model)
     reference = copy.deepcopy(model)  # sharded, run eagerly
     capture = CapturingBackend(min_cut=True)
     compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
@@ -327,9 +327,7 @@ def test_one_blocks_eval_after_compiling_recompiles():
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = _ScaledModel()
         model.blocks = nn.ModuleList(DropoutBlock() for _ in range(3))
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _shard_blocks_and_root(model)
         compiled = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)
         compiled(torch.randn(4, 6))
         model.blocks[2].eval()
@@ -342,9 +340,7 @@ def test_a_block_updating_batch_norm_statistics_is_inlined():
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = _ScaledModel()
         model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in range(3))
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _shard_blocks_and_root(model)
         capture = CapturingBackend(min_cut=True)
         torch.compile(model, backend=capture.backend, fullgraph=True)(torch.randn(4, 6)).sum().backward()
     assert not _region_calls(capture.forward_graphs[0].graph)
@@ -411,9 +407,7 @@ def test_a_block_whose_python_a_region_cannot_replay_runs_inlined(write, message
 
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = Model()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _shard_blocks_and_root(model)
         inputs = torch.randn(4, 6)
         expected = model(inputs)
         for block in model.blocks:
@@ -464,9 +458,7 @@ def test_state_the_caller_writes_between_blocks_keys_them_apart(written):
 
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = Model()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _shard_blocks_and_root(model)
         inputs = torch.randn(4, 6)
         output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
         torch.testing.assert_close(output, model(inputs))
@@ -485,9 +477,7 @@ def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
 
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = Model()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        _shard_blocks_and_root(model)
         torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(torch.randn(4, 6))
     assert _region_body_traces() == 1
 
