@@ -329,8 +329,10 @@ def _writes_so_far() -> int:
 
     See [Note: writes between blocks key them apart]. Only objects that existed
     before the trace count: one the trace created (a list the forward collects outputs
-    in, the cells of the closures each call makes) is no state a block's body can read
-    other than through an existing one. A write is keyed by the variables Dynamo holds
+    in, the cells of the closures each call makes) is usually no state a block's body
+    reads, and counting it would trace every block anew. Not seen, so: a container the
+    forward creates, stores where the blocks read it, then changes between their
+    calls (docs/api.md lists it). A write is keyed by the variables Dynamo holds
     for the values written, which are new for each write. A container whose contents
     cannot be read here gives every later call a key of its own.
     """
