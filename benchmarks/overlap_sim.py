@@ -4,8 +4,10 @@
     python benchmarks/overlap_sim.py --profile h100_nvlink --batch 4
 
 Captures one training step's forward and backward graphs with ``compile_shard.dry_run``
-(nothing is computed, so the sizes need not fit this machine) under three schedules
-and replays them with ``compile_shard.passes.simulate``:
+(nothing is computed, so the sizes need not fit this machine) once, in the
+partitioner's order, schedules a copy of them for each schedule (the schedules differ
+only in what ``run_partitioned_suite`` does to the partitioned graphs) and replays
+them with ``compile_shard.passes.simulate``:
 
 - ``partitioner``: ``settings.reorder`` off: the order the partitioner leaves
   (gathers right before use, reduce-scatters at the end of backward);
@@ -23,18 +25,20 @@ all-gather and the last reduce-scatter, which nothing can hide) and peak memory.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
 from compile_shard.dry_run import capture_step
 from compile_shard.models import Llama, LlamaConfig
-from compile_shard.passes import overridden
+from compile_shard.passes import overridden, run_partitioned_suite
 from compile_shard.passes.cost_model import get_profile
 from compile_shard.passes.simulate import simulate_step
 
@@ -44,6 +48,10 @@ SCHEDULES = {
     "no_prefetch": {"prefetch_depth": 0},
     "suite": {},
 }
+
+#: The settings ``run_partitioned_suite`` reads: a schedule may override only these,
+#: since the joint-graph passes run once, when the step is captured.
+PARTITIONED_SETTINGS = frozenset({"reorder", "prefetch_depth", "reduce_scatter_depth", "memory_budget_mb"})
 
 
 @dataclass
@@ -63,10 +71,23 @@ def group_unsharded_bytes(config: LlamaConfig) -> int:
     return sum(param.numel() * param.element_size() for param in block.parameters())
 
 
+def _scheduled_copy(graph_module: fx.GraphModule) -> fx.Graph:
+    """A copy of a captured graph, scheduled by ``run_partitioned_suite`` under the current settings."""
+    graph = fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph)).graph
+    run_partitioned_suite(graph)
+    return graph
+
+
 def simulate_schedules(
     config: LlamaConfig, world_size: int, batch: int, seq: int, profile_name: str, schedules=tuple(SCHEDULES)
 ) -> list[ScheduleReport]:
-    """Captures the step under each of ``schedules`` (fake process group) and replays it on ``profile_name``."""
+    """Captures the step once (fake process group), schedules it as each of ``schedules``, replays it on ``profile_name``."""
+    for name in schedules:
+        if not SCHEDULES[name].keys() <= PARTITIONED_SETTINGS:
+            raise ValueError(
+                f"schedule {name!r} overrides {sorted(SCHEDULES[name].keys() - PARTITIONED_SETTINGS)}, which the "
+                f"joint-graph passes read: only {sorted(PARTITIONED_SETTINGS)} can differ between schedules"
+            )
     profile = get_profile(profile_name)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -81,10 +102,12 @@ def simulate_schedules(
             logits = compiled(tokens[:, :-1])
             return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
+        with overridden(cost_profile=profile_name, reorder=False):
+            captured = capture_step(model, loss_fn)
         reports = []
         for name in schedules:
             with overridden(cost_profile=profile_name, **SCHEDULES[name]):
-                graphs = [graph_module.graph for graph_module in capture_step(model, loss_fn)]
+                graphs = [_scheduled_copy(graph_module) for graph_module in captured]
             simulation = simulate_step(graphs, profile)
             beyond = simulation.exposed_beyond_first_and_last()
             reports.append(

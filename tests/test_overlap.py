@@ -10,8 +10,11 @@ most one block's unsharded parameters of peak memory over the no-prefetch schedu
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import overlap_sim  # noqa: E402
 from overlap_sim import group_unsharded_bytes, simulate_schedules  # noqa: E402
 
 from compile_shard.models import LlamaConfig  # noqa: E402
@@ -27,3 +30,11 @@ def test_suite_hides_communication_within_one_group_of_memory():
     assert reports["partitioner"].exposed_beyond_first_and_last_pct > 50.0
     extra_memory = reports["suite"].peak_memory_bytes - reports["no_prefetch"].peak_memory_bytes
     assert 0 < extra_memory <= group_unsharded_bytes(config)
+
+
+def test_a_schedule_that_changes_a_joint_graph_pass_is_refused(monkeypatch):
+    """The step is captured once: a schedule may only change what ``run_partitioned_suite`` reads."""
+    monkeypatch.setitem(overlap_sim.SCHEDULES, "buckets", {"bucket_cap_mb": 100.0})
+    config = LlamaConfig(dim=16, n_layers=1, n_heads=2)
+    with pytest.raises(ValueError, match=r"schedule 'buckets' overrides \['bucket_cap_mb'\], which the joint-graph"):
+        simulate_schedules(config, 2, 1, 8, "h100_ib400", ("suite", "buckets"))
