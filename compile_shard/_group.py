@@ -7,7 +7,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from compile_shard import FSDPModule, fully_shard
+from compile_shard import FSDPModule
 from compile_shard.debug import CollectiveCounter, unsharded_bytes
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo

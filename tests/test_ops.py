@@ -18,7 +18,7 @@ def installed_pass_suite():
 
 @pytest.fixture
 def fake_pg():
-    with FakeProcessGroup(2) as pg:
+    with FakeProcessGroup(2):
         yield dist.group.WORLD.group_name
 
 

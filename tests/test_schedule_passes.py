@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.fx as fx
 
 from compile_shard._group import GROUP_ANNOTATION
 from compile_shard.passes import (
