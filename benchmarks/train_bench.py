@@ -71,6 +71,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import platform
 import resource
 import socket
@@ -725,30 +726,36 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
     }
 
 
-def _init_process_group(plan: Plan, rank: int) -> bool:
-    """Joins this mode's process group; False for the reference, which runs alone without one."""
+def _init_process_group(plan: Plan, rank: int) -> dist.Store | None:
+    """Joins this mode's process group and returns its store; ``None`` for the reference, which runs alone."""
     if plan.device == "cuda":
         torch.cuda.set_device(0)
     if not MODES[plan.mode].distributed:
-        return False
+        return None
     if plan.fake:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.config.world_size)
+        store = FakeStore()
+        dist.init_process_group("fake", store=store, rank=0, world_size=plan.config.world_size)
     else:
         # An explicit store: under torchrun, a tcp:// init method would join the launcher's store instead.
         store = dist.TCPStore(plan.master_addr, plan.port, plan.config.world_size, is_master=rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=plan.config.world_size)
-    return True
+    return store
 
 
-def _gather_to_rank0(result: dict, plan: Plan) -> list[dict] | None:
-    """All ranks' results on rank 0 (``None`` elsewhere); under the fake group only rank 0 exists."""
-    if plan.fake or not dist.is_initialized():
+def _gather_to_rank0(result: dict, plan: Plan, store: dist.Store | None) -> list[dict] | None:
+    """All ranks' results on rank 0 (``None`` elsewhere); under the fake group only rank 0 exists.
+
+    Through the store rather than ``gather_object``, which needs numpy to unpickle.
+    """
+    if plan.fake or store is None:
         return [result]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(result, gathered, dst=0)
-    return gathered
+    rank = dist.get_rank()
+    store.set(f"result/{rank}", pickle.dumps(result))
+    if rank != 0:
+        return None
+    return [pickle.loads(store.get(f"result/{r}")) for r in range(dist.get_world_size())]
 
 
 def _mode_worker(index: int, plan: Plan, first_rank: int) -> None:
@@ -758,9 +765,10 @@ def _mode_worker(index: int, plan: Plan, first_rank: int) -> None:
     with tempfile.TemporaryDirectory(prefix="train_bench_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # an empty cache: the cold step compiles from scratch
         rank = first_rank + index
-        joined = _init_process_group(plan, rank)
+        store = _init_process_group(plan, rank)
+        joined = store is not None
         try:
-            gathered = _gather_to_rank0(_run_rank(plan, rank), plan)
+            gathered = _gather_to_rank0(_run_rank(plan, rank), plan, store)
             if gathered is not None:
                 Path(plan.result_path).write_text(json.dumps(_merge_ranks(plan, gathered, mallopt_applied)))
             if joined and not plan.fake:
@@ -796,18 +804,17 @@ def _run_mode_spawned(plan: Plan) -> dict:
 def _run_mode_torchrun(plan: Plan) -> dict | None:
     """Under torchrun: every rank starts its own fresh process for the mode; rank 0 returns the result.
 
-    The torchrun processes only coordinate (a port and a result file per mode); the
+    The torchrun processes only coordinate (a port per mode; rank 0 keeps the result file); the
     mode's processes form a new gloo group of their own.
     """
     rank = dist.get_rank()
-    shared = [(_free_port(), plan.result_path) if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    port, result_path = shared[0]
-    plan = dataclasses.replace(plan, port=port, result_path=result_path)
+    port = torch.tensor(_free_port() if rank == 0 else 0)
+    dist.broadcast(port, src=0)
+    plan = dataclasses.replace(plan, port=port.item())  # only rank 0's worker writes plan.result_path
     if MODES[plan.mode].distributed or rank == 0:
         mp.spawn(_mode_worker, args=(plan, rank), nprocs=1, join=True)
     dist.barrier()
-    return json.loads(Path(result_path).read_text()) if rank == 0 else None
+    return json.loads(Path(plan.result_path).read_text()) if rank == 0 else None
 
 
 # Report ----------------------------------------------------------------------------------------------------------

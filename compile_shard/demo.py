@@ -20,11 +20,13 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.multiprocessing.spawn import ProcessException
 from torch._dynamo.utils import counters
 
 from . import fully_shard, passes
@@ -141,8 +143,8 @@ def _train(args: argparse.Namespace) -> None:
         if rank == 0:  # after training and counting: the dry run compiles again, leaving garbage gradients
             predicted = _predicted_forward_backward(compiled_model, batches[0][: args.batch_per_rank])
 
-    peak_rss_mb = [None] * world_size
-    dist.all_gather_object(peak_rss_mb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak_rss_mb = [torch.zeros(()) for _ in range(world_size)]
+    dist.all_gather(peak_rss_mb, torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if rank != 0:
         return
     n_params = sum(p.numel() for p in Llama(config).parameters())
@@ -166,10 +168,11 @@ def _train(args: argparse.Namespace) -> None:
         print(compile_summary)
         measured = statistics.median(row[3] for row in compiled[1:]) if len(compiled) > 1 else compiled[0][3]
         print(
-            f"forward+backward of a compiled step: cost model (cpu_gloo profile) {predicted * 1e3:.1f} ms, "
-            f"measured {measured * 1e3:.1f} ms (median after step 1; ratio {predicted / measured:.2f})"
+            f"forward+backward of a compiled step: cost model for this machine (cpu_gloo profile, whatever "
+            f"--cost-profile says) {predicted * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+            f"(median after step 1; ratio {predicted / measured:.2f})"
         )
-    print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb:.0f} MB" for r, mb in enumerate(peak_rss_mb)))
+    print("peak resident memory per rank: " + ", ".join(f"rank {r}: {mb.item():.0f} MB" for r, mb in enumerate(peak_rss_mb)))
 
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
@@ -179,6 +182,9 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         _train(args)
         gc.collect()  # collective work handles in reference cycles go while the group is alive
         dist.barrier()  # no rank tears its gloo pairs down while a peer still runs a collective
+    except BaseException:
+        _report_failure(rank)
+        raise
     finally:
         dist.destroy_process_group()
     # The demo is done and printed. Leave without the interpreter's teardown: a gloo
@@ -188,6 +194,16 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _report_failure(rank: int) -> None:
+    """Prints this rank's own traceback now.
+
+    A rank that raises closes its gloo pairs, so its peers fail next with "Connection
+    closed by peer"; ``mp.spawn`` re-raises whichever failure it notices first, often
+    a peer's. Printed here, the error that started it is on the screen first.
+    """
+    print(f"compile_shard demo: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -205,7 +221,10 @@ def main(argv=None) -> None:
         finally:
             dist.destroy_process_group()
         return
-    mp.spawn(_worker, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True)
+    try:
+        mp.spawn(_worker, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True)
+    except ProcessException:
+        raise SystemExit("compile_shard demo failed: each failed rank's error is printed above") from None
 
 
 if __name__ == "__main__":

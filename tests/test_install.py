@@ -1,5 +1,7 @@
 """The suite installs itself, chains with passes a user set before, and each pass can be switched off."""
 
+import hashlib
+
 import torch
 import torch._dynamo
 import torch.fx as fx
@@ -110,10 +112,13 @@ def _cache_keys_differ_between_ranks(rank, world_size):
     import torch.distributed as dist
 
     passes.install()
-    keys = [None] * world_size
-    dist.all_gather_object(keys, torch._inductor.config.joint_custom_pre_pass.uuid())
+    # A digest of each rank's key, gathered as a tensor (gathering Python objects needs numpy).
+    digest = hashlib.sha256(repr(torch._inductor.config.joint_custom_pre_pass.uuid()).encode()).digest()
+    key = torch.tensor(int.from_bytes(digest[:8], "little", signed=True))
+    keys = [torch.zeros((), dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(keys, key)
     # gloo lowers reductions rank-specifically ([Note: rank-specific graphs and the caches]).
-    assert len(set(map(repr, keys))) == world_size
+    assert len({k.item() for k in keys}) == world_size
 
 
 def test_cache_key_holds_the_rank_on_gloo_only():

@@ -22,14 +22,19 @@ def test_wheel_installs_runtime_and_passes_under_one_name(tmp_path):
     assert "compile_shard/passes/__init__.py" in names and "compile_shard/ops.py" in names
 
 
-def test_demo_prints_losses_next_to_the_reference():
-    result = subprocess.run(
-        [sys.executable, "-m", "compile_shard.demo", "--nproc", "3", "--steps", "2", "--dim", "64", "--backend", "aot_eager"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+def _run_demo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "compile_shard.demo", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def _output(result: subprocess.CompletedProcess) -> str:
+    return f"exit status {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+
+
+def test_demo_prints_losses_next_to_the_reference():
+    result = _run_demo("--nproc", "3", "--steps", "2", "--dim", "64", "--backend", "aot_eager")
+    assert result.returncode == 0, _output(result)
     number = r"\s+([0-9.]+)"
     row = rf"^\s+\d+{number}{number}{number} ms{number}{number} ms\s+(\d+)\s+(\d+)$"
     rows = re.findall(row, result.stdout, re.MULTILINE)
@@ -39,3 +44,12 @@ def test_demo_prints_losses_next_to_the_reference():
         assert abs(float(compiled) - float(reference)) <= 1e-6
         assert (int(all_gathers), int(reduce_scatters)) == (5, 3)  # 2 blocks + root; blocks re-gather in backward
     assert "3 gloo ranks" in result.stdout and "rank 2:" in result.stdout
+
+
+def test_demo_shows_the_error_of_the_rank_that_raised_it():
+    # Only rank 0 runs the unsharded reference, so a head size that is not an integer
+    # fails there first; rank 1 then sees its peer's connection close.
+    result = _run_demo("--steps", "1", "--layers", "1", "--dim", "70", "--backend", "")
+    assert result.returncode != 0, _output(result)
+    assert "rank 0 failed" in result.stderr, _output(result)
+    assert "shape '[" in result.stderr and "is invalid for input of size" in result.stderr, _output(result)
