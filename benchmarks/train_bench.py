@@ -94,12 +94,13 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import compile_shard.passes
+from compile_shard._collectives import KINDS, node_collective
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
 from compile_shard.models import Llama, LlamaConfig
 
 SCHEMA_VERSION = 1
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COLLECTIVE_KINDS = KINDS
 OVERLAP_SETTINGS = ("bucket", "reorder")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, frozen: it no longer grows after frees
@@ -238,28 +239,6 @@ def _switch_off_overlap_passes() -> list[str]:
 # Collectives in compiled graphs ----------------------------------------------------------------------------------
 
 
-def _functional_collective_kinds() -> dict[object, str]:
-    """Collectives by kind as compiled graphs hold them after the suite: ``_c10d_functional`` ones and gloo's.
-
-    On gloo, ``gather_buffers`` turns each all-gather into ``fsdp.all_gather_params_``
-    or ``fsdp.all_gather_send_recv_`` ([Note: gloo all-gather] in ``compile_shard.ops``)
-    and each reduction's all-to-all into ``fsdp.all_to_all_grads_`` or
-    ``fsdp.all_to_all_into_``.
-    """
-    names = {
-        "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced"),
-        "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
-        "all_reduce": ("all_reduce", "all_reduce_coalesced"),
-        "all_to_all": ("all_to_all_single",),
-    }
-    functional = torch.ops._c10d_functional
-    kinds = {getattr(functional, name): kind for kind, ops in names.items() for name in ops if hasattr(functional, name)}
-    fsdp = torch.ops.fsdp
-    kinds.update({fsdp.all_gather_params_: "all_gather", fsdp.all_gather_send_recv_: "all_gather"})
-    kinds.update({fsdp.all_to_all_grads_: "all_to_all", fsdp.all_to_all_into_: "all_to_all"})
-    return kinds
-
-
 class GraphRecorder:
     """Counts the collectives in each forward and backward graph a backend compiles.
 
@@ -287,7 +266,7 @@ class GraphRecorder:
             from torch._dynamo.backends.debugging import boxed_nop
             from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-            from compile_shard.passes.regions import with_region_tags
+            from compile_shard.passes.compile_regions import with_region_tags
 
             def compiler(graph_module: fx.GraphModule, example_inputs):
                 self.record(graph_module.graph)
@@ -323,14 +302,8 @@ class GraphRecorder:
         torch._functorch.config.enable_autograd_cache = False
 
     def record(self, graph: fx.Graph) -> None:
-        kinds = _functional_collective_kinds()
-        self.counts.append(
-            Counter(
-                kinds[node.target.overloadpacket]
-                for node in graph.nodes
-                if isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket in kinds
-            )
-        )
+        found = (node_collective(node) for node in graph.nodes)
+        self.counts.append(Counter(collective.kind for collective in found if collective is not None))
         if self.keep_graphs:
             self.graphs.append(graph)
 

@@ -20,6 +20,7 @@ from ._region import (
     runs_inlined_after_restart,
     updates_running_stats,
 )
+from .passes import install
 from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -67,10 +68,10 @@ class FSDPState:
             state.group.reshard_after_forward = state.resolved_reshard_after_forward()
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
-        root_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
+        model_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
         for state in self.subtree_states:
             if state.group is not None:
-                state.group.root_groups = root_groups
+                state.group.model_groups = model_groups
 
     def group_for_prefetch(self, knob: str) -> FSDPParamGroup:
         if self.group is None:
@@ -362,9 +363,7 @@ def fully_shard(
             mesh,
             reshard_after_forward=reshard_after_forward is not False,
         )
-    from .passes import install  # the pass suite for torch.compile of this model
-
-    install()
+    install()  # the pass suite, for torch.compile of this model
     state = FSDPState(module, mesh, group, reshard_after_forward)
     sharded_below = any(_get_state(submodule) is not None for submodule in module.modules())
     module.__dict__[_STATE_ATTR] = state

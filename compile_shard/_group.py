@@ -11,11 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from . import ops
+from ._annotation import GroupAnnotation, annotating_group
 from ._param import FSDPParam
-
-
-# Key of node.meta["custom"] on the nodes of a group's traced all-gather.
-GROUP_ANNOTATION = "compile_shard_group"
 
 
 def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
@@ -94,7 +91,7 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
-        self.root_groups: tuple[str, ...] = (module_name,)
+        self.model_groups: tuple[str, ...] = (module_name,)
         # FSDP2's explicit prefetch lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``).
         self.forward_prefetch: list[FSDPParamGroup] = []
         self.backward_prefetch: list[FSDPParamGroup] = []
@@ -106,7 +103,7 @@ class FSDPParamGroup:
 
     def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """All-gathers the group and copies out one tensor per parameter."""
-        shards = [fsdp_param.autograd_shard() for fsdp_param in self.fsdp_params]
+        shards = [fsdp_param.all_gather_shard() for fsdp_param in self.fsdp_params]
         all_gather_output = ops.all_gather_into(shards, self.padded_numels, self.world_size, self.group_name)
         per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [
@@ -131,19 +128,20 @@ class FSDPParamGroup:
         where to gather (``place``), and whether backward saves the unsharded
         parameters or gathers them again (``reshard``).
         """
-        with torch.fx.traceback.annotate({GROUP_ANNOTATION: self.annotation()}):
+        with annotating_group(self.annotation()):
             tensors, _ = self._all_gather()
         return tensors
 
-    def annotation(self) -> dict[str, Any]:
+    def annotation(self) -> GroupAnnotation:
         """What the pass suite learns about this group from the traced graph."""
-        return {
-            "group": self.module_name,
-            "reshard_after_forward": self.reshard_after_forward,
-            "root_groups": self.root_groups,
-            "forward_prefetch": tuple(group.module_name for group in self.forward_prefetch),
-            "backward_prefetch": tuple(group.module_name for group in self.backward_prefetch),
-        }
+        return GroupAnnotation(
+            name=self.module_name,
+            reshard_after_forward=self.reshard_after_forward,
+            members=(self.module_name,),
+            model_groups=self.model_groups,
+            forward_prefetch=tuple(group.module_name for group in self.forward_prefetch),
+            backward_prefetch=tuple(group.module_name for group in self.backward_prefetch),
+        )
 
     # Lifecycle --------------------------------------------------------------------
 
@@ -159,7 +157,7 @@ class FSDPParamGroup:
         elif self.unsharded.is_freed:
             self._refill(self.unsharded)
         for fsdp_param, tensor in zip(self.fsdp_params, self.unsharded.tensors):
-            fsdp_param.to_unsharded(tensor)
+            fsdp_param.show_unsharded(tensor)
         return self.unsharded
 
     def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
@@ -171,7 +169,7 @@ class FSDPParamGroup:
 
     def reshard(self) -> None:
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+            fsdp_param.show_sharded()
         if self.unsharded is not None:
             self.unsharded.free()
             self.unsharded = None
@@ -186,12 +184,12 @@ class FSDPParamGroup:
         if self.fsdp_params[0].unsharded_param is not None:
             return False
         for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
-            fsdp_param.to_unsharded(tensor)
+            fsdp_param.show_unsharded(tensor)
         return True
 
     def hide_traced_unsharded_params(self) -> None:
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+            fsdp_param.show_sharded()
 
     def pre_forward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
@@ -211,7 +209,7 @@ class FSDPParamGroup:
         if unsharded.all_gather_node is not None:
             self._register_pre_backward(output, unsharded)
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+            fsdp_param.show_sharded()
         if self.reshard_after_forward:
             self.reshard()
         return output
@@ -244,7 +242,7 @@ class FSDPParamGroup:
             self._refill(unsharded)
         self.unsharded = unsharded
         for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
-            fsdp_param.to_unsharded(tensor)
+            fsdp_param.show_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
         for group in self.backward_prefetch:
             group.prefetch_for_backward()
@@ -264,7 +262,7 @@ class FSDPParamGroup:
         if self.unsharded is unsharded:
             self.unsharded = None
         for fsdp_param in self.fsdp_params:
-            fsdp_param.to_sharded()
+            fsdp_param.show_sharded()
         self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:

@@ -1,5 +1,40 @@
 """One parameter under fully_shard: its dim-0 shard, the padded storage behind it,
-and the modules that use it."""
+and the modules that use it.
+
+[Note: the tensors of a sharded parameter]
+The one vocabulary of the runtime, the ops and the passes. For a parameter of
+``rows`` rows on a process group of ``world_size`` ranks, each rank holds
+``padded_rows = ceil(rows / world_size)`` rows (``_layout.padded_rows``):
+
+- original parameter: the ``nn.Parameter`` the user built; gone after ``fully_shard``.
+- sharded parameter (``FSDPParam.sharded_param``): the ``nn.Parameter(DTensor)``,
+  ``Shard(0)``, registered on the module: what the optimizer and state dicts see.
+  Its local tensor (``to_local()``) is this rank's real rows.
+- padded shard (``FSDPParam.padded_shard``): the storage behind the local tensor,
+  ``padded_rows`` rows; the rows past the real ones are zero padding
+  ([Note: sharded storage]).
+- shard (``FSDPParam.shard``): a plain leaf tensor over the local tensor's storage;
+  what the all-gather reads and what autograd gives the gradient to
+  ([Note: the shard autograd sees]).
+- all-gather input: one group's shards flattened, padded to ``padded_rows`` and
+  concatenated (the copy-in), inside ``fsdp::all_gather_into`` or, after ``lower``,
+  in the graph.
+- all-gather output: the flat buffer every rank's all-gather input lands in, rank by
+  rank (rank-major).
+- copy-out: the views and copies from the all-gather output to each unsharded
+  parameter (``passes.patterns.match_copy_out``).
+- unsharded parameter (``FSDPParam.unsharded_param``): the full ``rows``-row tensor
+  the forward computes with, shown to the modules between unshard and reshard.
+- reduce-scatter input: a group's unsharded gradients padded and laid out rank-major
+  (``fsdp::reduce_scatter_input``), the all-gather output's layout.
+- sharded gradient: this rank's reduced rows, the ``.grad`` of the sharded parameter.
+- group (``FSDPParamGroup``): the parameters of one ``fully_shard`` call, gathered by
+  one all-gather and reduced by one reduce-scatter; named after its module
+  (``"layers.0"``, the root ``""``), the name the passes' annotation carries
+  ([Note: the group annotation]). A bucket is several groups merged by the passes.
+- process group: the c10d group the collectives run on (the mesh's); ops take its
+  name, ``group_name``.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import ops
+from ._layout import padded_rows
 
 
 @dataclass(frozen=True)
@@ -66,7 +102,7 @@ class FSDPParam:
     [Note: sharded storage]
     ``sharded_param`` is an ``nn.Parameter`` wrapping a DTensor (``Shard(0)``), which
     is what the optimizer, ``clip_grad_norm_`` and ``state_dict()`` see. Its local
-    tensor is a view of ``padded_sharded_data``, a buffer of ``padded_rows`` rows that
+    tensor is a view of ``padded_shard``, a buffer of ``padded_rows`` rows that
     every rank allocates with the same size (FSDP2's layout): rows past the rank's
     real shard are padding, never visible to the user, never read back. The
     all-gather's copy-in still pads on its own: it reads ``shard`` (below), which
@@ -82,13 +118,13 @@ class FSDPParam:
     storage (``detach()``) and is a leaf of its own, not the DTensor through
     ``to_local()``. A DTensor graph input costs torch.compile per parameter: Dynamo
     builds a fake DTensor and guards on its spec, AOTAutograd traces through its
-    subclass wrapping and wraps its gradient at every call (config B with regions:
-    about 3 s of a 36 s cold step). The gradient reaches ``sharded_param.grad``
+    subclass wrapping and wraps its gradient at every call (docs/benchmarks.md has
+    the cost on config B). The gradient reaches ``sharded_param.grad``
     through ``shard``'s post-accumulate-grad hook instead, which FSDP2 also
     writes by hand: set, or added to a gradient already there (accumulation), then
     the parameter's own post-accumulate-grad hooks. ``shard`` always requires grad;
     the all-gather reads it detached while ``sharded_param.requires_grad`` is False
-    (``autograd_shard``), a read that Dynamo guards, so freezing a parameter after
+    (``all_gather_shard``), a read that Dynamo guards, so freezing a parameter after
     ``fully_shard`` recompiles instead of computing its gradient. ``shard`` follows
     the local tensor through ``reset_sharded_param``; a local tensor replaced any
     other way (``load_state_dict(assign=True)``, ``param.data = ...``) is not seen,
@@ -109,15 +145,15 @@ class FSDPParam:
         self.world_size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.unsharded_shape = param.shape
-        self.padded_rows = math.ceil(param.size(0) / self.world_size)
+        self.padded_rows = padded_rows(param.size(0), self.world_size)
         self.padded_numel = self.padded_rows * math.prod(param.shape[1:])
         start = min(self.rank * self.padded_rows, param.size(0))
         end = min(start + self.padded_rows, param.size(0))
         self.shard_rows = end - start
-        self.padded_sharded_data = param.new_zeros((self.padded_rows, *param.shape[1:]))
+        self.padded_shard = param.new_zeros((self.padded_rows, *param.shape[1:]))
         with torch.no_grad():
-            self.padded_sharded_data[: self.shard_rows].copy_(param[start:end])
-        local_tensor = self.padded_sharded_data[: self.shard_rows]
+            self.padded_shard[: self.shard_rows].copy_(param[start:end])
+        local_tensor = self.padded_shard[: self.shard_rows]
         sharded = DTensor.from_local(
             local_tensor, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
         )
@@ -138,7 +174,7 @@ class FSDPParam:
         shard.register_post_accumulate_grad_hook(self._accumulate_sharded_grad)
         return shard
 
-    def autograd_shard(self) -> torch.Tensor:
+    def all_gather_shard(self) -> torch.Tensor:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient."""
         return self.shard if self.sharded_param.requires_grad else self.shard.detach()
 
@@ -156,10 +192,12 @@ class FSDPParam:
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(param)
 
-    def to_sharded(self) -> None:
+    def show_sharded(self) -> None:
+        """The modules read the sharded parameter again; freeing the unsharded storage is the group's job."""
         self.unsharded_param = None
 
-    def to_unsharded(self, unsharded_param: torch.Tensor) -> None:
+    def show_unsharded(self, unsharded_param: torch.Tensor) -> None:
+        """The modules read ``unsharded_param`` until ``show_sharded``."""
         self.unsharded_param = unsharded_param
 
     def module_attribute(self) -> torch.Tensor:
@@ -176,9 +214,9 @@ class FSDPParam:
 
         It reads ``shard``, which follows the local tensor's storage through
         ``reset_sharded_param`` (``to_empty``, ``to``) and is a graph input of every
-        trace anyway: the DTensor's ``device`` took Dynamo about 0.1 s longer on
-        config B (measured), and reading ``_local_tensor`` would add each local tensor
-        as an input beside its ``shard``.
+        trace anyway: reading the DTensor's ``device`` costs Dynamo more per
+        parameter, and reading ``_local_tensor`` would add each local tensor as an
+        input beside its ``shard``.
         """
         device = self.shard.device
         if device.type == "meta":
@@ -197,13 +235,13 @@ class FSDPParam:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
         local_tensor = self.local_tensor
         if (
-            local_tensor.untyped_storage().data_ptr() == self.padded_sharded_data.untyped_storage().data_ptr()
-            and local_tensor.dtype == self.padded_sharded_data.dtype
+            local_tensor.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
+            and local_tensor.dtype == self.padded_shard.dtype
         ):
             return
         padded = local_tensor.new_zeros((self.padded_rows, *local_tensor.shape[1:]))
         with torch.no_grad():
             padded[: self.shard_rows].copy_(local_tensor)
         ops.set_(local_tensor, padded[: self.shard_rows])
-        self.padded_sharded_data = padded
+        self.padded_shard = padded
         self.shard = self._new_shard()

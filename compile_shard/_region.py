@@ -10,7 +10,7 @@ parameters as attributes, and those are all-gather outputs inside the outer grap
 which a reused region cannot re-map from one block to the next (Dynamo: "Freevar has
 no source"). So the block's forward wrapper passes the gathered tensors as region
 arguments and shows them to the block's modules inside the region
-(``FSDPParam.to_unsharded``); the collectives stay in the outer graph, where the pass
+(``FSDPParam.show_unsharded``); the collectives stay in the outer graph, where the pass
 suite schedules them.
 
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
@@ -77,7 +77,7 @@ A block whose submodules run module hooks is inlined without tracing it first
 (``runs_hooks_inside``): hooks are Python the signature holds by identity only.
 
 Backward must still gather again for resharded groups; [Note: region parameters are
-saved as inputs] in ``compile_shard.passes.regions`` explains how the partitioned
+saved as inputs] in ``compile_shard.passes.compile_regions`` explains how the partitioned
 region keeps from saving the parameters.
 """
 
@@ -96,11 +96,8 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.base import AttributeMutationExisting, ValueMutationExisting
 
+from ._annotation import annotating_region_params
 from ._param import FSDPParam
-
-#: ``torch.fx.traceback.annotate`` key on the view through which a region reads each
-#: unsharded parameter argument; ``compile_shard.passes.regions`` finds them by it.
-REGION_PARAM_ANNOTATION = "compile_shard_region_param"
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -177,7 +174,7 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
     Dynamo flattens a region call's arguments with a traced ``pytree.tree_flatten``
     unless every argument is already a leaf (a tensor, a module or a constant); that and
     tracing the block's signature inside the key (``_signature_hash`` computes it
-    untraced) cost about 40 ms per call site on config B. So ``call_in_region`` passes
+    untraced) cost Dynamo time at every call site. So ``call_in_region`` passes
     the unsharded parameters, the args, the kwargs' names and then their values one by one,
     led by the counts that split them here. The kwargs come sorted by name: a reused
     subgraph maps its tensor inputs by position, so blocks called with the same keywords
@@ -193,8 +190,8 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
 def _signature_hash(module: nn.Module) -> int:
     """``hash(block_signature(module))``, computed by plain Python while Dynamo traces the call.
 
-    Traced, the signature costs Dynamo tens of milliseconds per call site (see [Note:
-    region arguments are flat]); computed here, it is read when each trace runs, so
+    Traced, the signature costs Dynamo time at each call site (see [Note: region
+    arguments are flat]); computed here, it is read when each trace runs, so
     hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it:
     of a change made after the first compile, only one to a plain value recompiles
     (``call_in_region`` reads those, [Note: region keys are guarded]); any other is
@@ -232,17 +229,17 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: in
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
-    with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
+    with annotating_region_params():
         viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
     for fsdp_param, tensor in zip(fsdp_params, viewed):
-        fsdp_param.to_unsharded(tensor)
+        fsdp_param.show_unsharded(tensor)
     _forget_side_effects()
     with _ambient_autocast(unsharded_params[0].device.type):
         output = module._user_forward(*args, **kwargs)
     items = output if isinstance(output, (tuple, list)) else (output,)
     _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
     for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
-        fsdp_param.to_unsharded(tensor)
+        fsdp_param.show_unsharded(tensor)
     return output
 
 
@@ -299,9 +296,7 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
             f"would write for the first such block only"
         )
     elif not returns_tensors_only:
-        from ._api import FSDPModule  # the class fully_shard mixes in, whose module imports this one
-
-        code = super(FSDPModule, module).forward.__code__  # the user's forward
+        code = type(module).__bases__[1].forward.__code__  # the user's: fully_shard made FSDP<Class>(FSDPModule, Class)
         filename, lineno = code.co_filename, code.co_firstlineno
         reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
     else:

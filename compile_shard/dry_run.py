@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .passes import has_sharded_params, run_partitioned_suite
-from .passes.regions import with_region_tags
+from .passes.compile_regions import with_region_tags
 
 
 def _dry_compiler(captured: list[fx.GraphModule]) -> Callable:

@@ -1,10 +1,11 @@
 """compile_shard's FX pass suite over the AOT joint graph (installed as ``compile_shard.passes``).
 
 The passes run, in this order, on the joint forward-backward graph of a model
-sharded with ``fully_shard``, right before the partitioner splits it:
+sharded with ``fully_shard``, right before the partitioner splits it. Each is named
+once: its function, its module, its switch in ``settings`` and its dump file.
 
 1. ``refunctionalize``: remove traced storage mutations.
-2. ``regions.forward_region_inputs``: with ``settings.compile_regions``, backward
+2. ``compile_regions``: with ``settings.compile_regions``, backward
    reads a block region's parameter arguments, not the region's copies of them.
 3. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
 4. ``reshard``: tag each group's all-gather chain for recompute or for saving.
@@ -13,15 +14,17 @@ sharded with ``fully_shard``, right before the partitioner splits it:
 6. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
 7. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
 8. ``place``: move each group's all-gather next to the forward's first use.
-9. ``verify``: check the graph invariants.
 
-Before that, Inductor's joint pre-pass runs ``regions.tag_region_parameters`` on each
+``verify`` checks the graph invariants after each of them and names the pass that
+broke one (``settings.verify``).
+
+Before that, Inductor's joint pre-pass runs ``compile_regions.tag_region_parameters`` on each
 compile region's own joint graph, so its partition saves the parameters as inputs.
 
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 ``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters
 early (the schedule); with Inductor, ``gather_buffers`` lets its memory planner
-allocate (and reuse) the all-gather outputs; ``verify`` again. ``keep_order`` makes
+allocate (and reuse) the all-gather outputs; ``verify`` after each. ``keep_order`` makes
 Inductor's scheduler keep that schedule.
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
@@ -34,14 +37,15 @@ site-packages.
 
 from .graph_breaks import ShardedGraphBreakWarning, warn_if_partial
 from .bucket import bucket
+from .compile_regions import compile_regions
 from .copy_out import copy_out
-from .gather_buffers import gather_into_planned_buffers
-from .install import has_sharded_params, install, run_partitioned_suite, run_suite
-from .keep_order import keep_fx_order
+from .gather_buffers import gather_buffers
+from .install import JOINT_PASSES, has_sharded_params, install, run_partitioned_suite, run_suite
+from .keep_order import keep_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
-from .reorder import schedule, schedule_within_budget
+from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import PassSettings, overridden, settings
@@ -49,24 +53,26 @@ from .verify import GraphInvariantError, verify, verify_forward
 
 __all__ = [
     "GraphInvariantError",
+    "JOINT_PASSES",
     "PassSettings",
     "ShardedGraphBreakWarning",
     "bucket",
+    "compile_regions",
     "copy_out",
-    "gather_into_planned_buffers",
+    "gather_buffers",
     "has_sharded_params",
     "install",
-    "keep_fx_order",
+    "keep_order",
     "lower",
     "overridden",
     "place",
     "refunctionalize",
+    "reorder",
+    "reorder_within_budget",
     "reshard",
     "run_partitioned_suite",
     "run_suite",
     "save_attention",
-    "schedule",
-    "schedule_within_budget",
     "settings",
     "verify",
     "verify_forward",

@@ -11,7 +11,6 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
-from compile_shard._group import GROUP_ANNOTATION
 
 aten = torch.ops.aten
 fsdp = torch.ops.fsdp
@@ -27,24 +26,22 @@ VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 INHERITED_META = ("custom", "recompute", "ac_graph_id", "seq_nr", "stack_trace", "nn_module_stack")
 
 
-def group_annotation(node: fx.Node) -> dict[str, Any] | None:
-    """The ``{"group": ..., "reshard_after_forward": ...}`` the runtime attached, if any."""
-    return node.meta.get("custom", {}).get(GROUP_ANNOTATION)
+# [Note: recompute graph ids]
+# The partitioner recomputes a node tagged MUST_RECOMPUTE together with the other
+# nodes of its ``ac_graph_id``: one id is one recompute region. torch.utils.checkpoint
+# numbers its regions from 0 up; the passes' own regions must never share an id with
+# them or with each other, so each pass that tags draws from its own range here:
+# ``reshard`` one id per resharded group, ``compile_regions`` one for every region's
+# parameter views.
+_AC_GRAPH_ID_RANGES = {"reshard": 1_000_000, "compile_regions": 2_000_000}
+_AC_GRAPH_ID_RANGE_SIZE = 1_000_000
 
 
-def waited_node(collective: fx.Node) -> fx.Node:
-    """The node a ``wait_tensor`` reads to wait for ``collective``.
-
-    A collective's own result, except for the gloo ops of ``gather_buffers``, which
-    fill their first argument in place and return nothing.
-    """
-    in_place = (
-        fsdp.all_gather_send_recv_.default,
-        fsdp.all_gather_params_.default,
-        fsdp.all_to_all_into_.default,
-        fsdp.all_to_all_grads_.default,
-    )
-    return collective.args[0] if collective.target in in_place else collective
+def ac_graph_id(pass_name: str, index: int = 0) -> int:
+    """Recompute-region id number ``index`` of the pass ``pass_name`` ([Note: recompute graph ids])."""
+    if not 0 <= index < _AC_GRAPH_ID_RANGE_SIZE:
+        raise ValueError(f"{pass_name}: recompute region {index} is outside its id range")
+    return _AC_GRAPH_ID_RANGES[pass_name] + index
 
 
 def region_module(call: fx.Node) -> fx.GraphModule:

@@ -22,38 +22,26 @@ names the groups, so the later passes and the graph dumps treat a bucket as one 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import Counter
-from typing import Any
 
 import torch
 import torch.fx as fx
 
-from compile_shard._group import GROUP_ANNOTATION
+from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 
-from ._graph import NodeInserter, fake_value, fsdp, group_annotation, reorder_by_priority
-from .reshard import chain_readers, copy_out_chain
+from ._graph import NodeInserter, fake_value, fsdp, reorder_by_priority
+from .patterns import chain_readers, copy_out_chain, match_copy_out
+from .settings import settings
 
 aten = torch.ops.aten
-_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
-
-
-def members(annotation: dict[str, Any]) -> list[str]:
-    """The ``fully_shard`` groups behind an annotated node: one, or a bucket's several."""
-    return list(annotation.get("members", [annotation["group"]]))
 
 
 def _copy_out_split(all_gather: fx.Node) -> fx.Node | None:
-    """The ``split`` of the runtime's copy-out (``view(ws, -1).split(numels, 1)``), if that is the pattern."""
-    users = list(all_gather.users)
-    if len(users) != 1 or users[0].target is not aten.view.default:
-        return None
-    splits = list(users[0].users)
-    if len(splits) != 1 or splits[0].target not in _SPLITS:
-        return None
-    if any(user.target is not operator.getitem for user in splits[0].users):
-        return None
-    return splits[0]
+    """The ``split`` of the runtime's copy-out, where the copy-out is the all-gather output's only reader."""
+    copy_out = match_copy_out(all_gather)
+    return copy_out.split if copy_out is not None and len(all_gather.users) == 1 else None
 
 
 def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
@@ -67,7 +55,7 @@ def _bucket_key(all_gather: fx.Node) -> tuple:
     """Groups can share a collective only on the same process group, dtype and resharding policy."""
     _, _, world_size, group_name = all_gather.args
     annotation = group_annotation(all_gather)
-    return world_size, group_name, all_gather.meta["val"].dtype, annotation["reshard_after_forward"]
+    return world_size, group_name, all_gather.meta["val"].dtype, annotation.reshard_after_forward
 
 
 def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
@@ -78,14 +66,14 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
         for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
         if group_annotation(node) is not None
     ]
-    per_group = Counter(group_annotation(node)["group"] for node in gathers)
+    per_group = Counter(group_annotation(node).name for node in gathers)
     ordered = sorted(
         ((reader, node) for node in gathers if (reader := _first_reader(node, position)) is not None),
         key=lambda reader_and_node: reader_and_node[0],
     )
     runs, current = [], []
     for _, node in ordered:
-        mergeable = per_group[group_annotation(node)["group"]] == 1 and _copy_out_split(node) is not None
+        mergeable = per_group[group_annotation(node).name] == 1 and _copy_out_split(node) is not None
         size = node.meta["val"].untyped_storage().nbytes()
         fits = current and _bucket_key(current[0]) == _bucket_key(node)
         fits = fits and sum(n.meta["val"].untyped_storage().nbytes() for n in current) + size <= cap_bytes
@@ -98,22 +86,29 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
     return [run for run in runs if len(run) > 1]
 
 
-def _bucket_annotation(nodes: list[fx.Node]) -> dict[str, Any]:
+def _bucket_annotation(nodes: list[fx.Node]) -> GroupAnnotation:
     annotations = [group_annotation(node) for node in nodes]
-    groups = [group for annotation in annotations for group in members(annotation)]
-    bucket = {**annotations[0], "group": "+".join(groups), "members": groups}
-    for knob in ("forward_prefetch", "backward_prefetch"):
-        listed = [name for annotation in annotations for name in annotation.get(knob, ()) if name not in groups]
-        bucket[knob] = tuple(dict.fromkeys(listed))
-    return bucket
+    groups = tuple(group for annotation in annotations for group in annotation.members)
+
+    def listed(knob: str) -> tuple[str, ...]:
+        names = [name for annotation in annotations for name in getattr(annotation, knob) if name not in groups]
+        return tuple(dict.fromkeys(names))
+
+    return dataclasses.replace(
+        annotations[0],
+        name="+".join(groups),
+        members=groups,
+        forward_prefetch=listed("forward_prefetch"),
+        backward_prefetch=listed("backward_prefetch"),
+    )
 
 
-def _annotate(nodes: list[fx.Node], annotation: dict[str, Any]) -> None:
+def _annotate(nodes: list[fx.Node], annotation: GroupAnnotation) -> None:
     for node in nodes:
-        node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: annotation}
+        write_group_annotation(node, annotation)
 
 
-def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: dict[str, Any]) -> None:
+def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnnotation) -> None:
     first = gathers[0]
     _, _, world_size, group_name = first.args
     shards = [shard for node in gathers for shard in node.args[0]]
@@ -152,7 +147,7 @@ def _reduce_scatter_args(node: fx.Node) -> tuple:
     return unsharded_grad, world_size, group_name, rest[0] if rest else node.kwargs.get("reduce_op", "avg")
 
 
-def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: dict[str, Any]) -> None:
+def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: GroupAnnotation) -> None:
     position = {node: index for index, node in enumerate(graph.nodes)}
     last = max(reductions, key=position.__getitem__)
     _, world_size, group_name, reduce_op = _reduce_scatter_args(last)
@@ -178,8 +173,8 @@ def _reductions_of(graph: fx.Graph, gathers: list[fx.Node]) -> list[fx.Node] | N
     for node in graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default):
         annotation = group_annotation(node)
         if annotation is not None:
-            by_group.setdefault(annotation["group"], []).append(node)
-    groups = [group_annotation(node)["group"] for node in gathers]
+            by_group.setdefault(annotation.name, []).append(node)
+    groups = [group_annotation(node).name for node in gathers]
     if any(len(by_group.get(group, [])) != 1 for group in groups):
         return None
     reductions = [by_group[group][0] for group in groups]
@@ -187,13 +182,17 @@ def _reductions_of(graph: fx.Graph, gathers: list[fx.Node]) -> list[fx.Node] | N
     return reductions if len(keys) == 1 else None
 
 
-def bucket(graph: fx.Graph, cap_mb: float | None) -> int:
+def bucket(graph: fx.Graph, cap_mb: float | None = None) -> int:
     """Merges runs of adjacent groups within ``cap_mb`` MB (unsharded); returns how many collectives it removed.
+
+    ``cap_mb`` defaults to ``settings.bucket_cap_mb``, whose default, ``None``, merges
+    nothing: one all-gather and one reduce-scatter per group, as in FSDP2.
 
     A group whose gradients cannot be merged alike (no reduce-scatter in this graph,
     as in an inference trace, or different reduce settings) keeps its all-gather
     too, so forward and backward buckets always match.
     """
+    cap_mb = settings.bucket_cap_mb if cap_mb is None else cap_mb
     if not cap_mb:
         return 0
     removed = 0

@@ -21,39 +21,26 @@ became a scalar loop with two integer divisions per element.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
 
 from ._graph import NodeInserter, reorder_by_priority
-from .place import gathered_nodes
+from .patterns import all_gather_outputs, match_copy_out
 
 aten = torch.ops.aten
-# Traces spell the view after a copy ``_unsafe_view``; Inductor's decompositions, ``view``.
-_VIEWS = (aten._unsafe_view.default, aten.view.default)
 
 
-def _parameter_copies(gathered: fx.Node) -> list[fx.Node] | None:
-    """The ``view(clone(chunk))`` of each parameter, if the copy-out has the runtime's shape."""
-    views = [user for user in gathered.users if user.target is aten.view.default]
-    if len(views) != 1 or len(views[0].users) != 1:
+def _parameter_copies(all_gather_output: fx.Node) -> tuple[fx.Node, ...] | None:
+    """The ``view(clone(column))`` of each parameter, if the copy-out has the runtime's shape."""
+    copy_out = match_copy_out(all_gather_output)
+    if copy_out is None or copy_out.copies is None or len(copy_out.copies) < 2:
         return None
-    (split,) = views[0].users
-    if split.target is not aten.split_with_sizes.default:
+    if copy_out.split.target is not aten.split_with_sizes.default:
         return None
-    copies = []
-    for getitem in split.users:
-        users = list(getitem.users)
-        if getitem.target is not operator.getitem or len(users) != 1 or users[0].target is not aten.clone.default:
-            return None
-        views_of_clone = list(users[0].users)
-        if len(views_of_clone) != 1 or views_of_clone[0].target not in _VIEWS:
-            return None
-        if not views_of_clone[0].meta["val"].is_contiguous():
-            return None  # a clone that kept the chunk's strides: not a flat copy to concatenate
-        copies.append(views_of_clone[0])
-    return copies if len(copies) > 1 else None
+    if not all(copy.meta["val"].is_contiguous() for copy in copy_out.copies):
+        return None  # a clone that kept the column's strides: not a flat copy to concatenate
+    return copy_out.copies
 
 
 def _fuse(graph: fx.Graph, copies: list[fx.Node]) -> None:
@@ -76,8 +63,8 @@ def _fuse(graph: fx.Graph, copies: list[fx.Node]) -> None:
 def copy_out(graph: fx.Graph) -> int:
     """Rewrites every gathered group's copy-out into one ``cat``; returns how many groups it rewrote."""
     rewritten = 0
-    for gathered in gathered_nodes(graph):
-        copies = _parameter_copies(gathered)
+    for all_gather_output in all_gather_outputs(graph):
+        copies = _parameter_copies(all_gather_output)
         if copies is not None:
             _fuse(graph, copies)
             rewritten += 1

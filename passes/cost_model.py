@@ -38,7 +38,10 @@ except ImportError:  # torch < 2.13
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ._graph import c10d, fsdp, invoke_subgraph, region_module, waited_node
+from compile_shard._collectives import node_collective
+
+from ._graph import c10d, fsdp, invoke_subgraph, region_module
+from .patterns import waited_node
 
 aten = torch.ops.aten
 
@@ -291,25 +294,9 @@ class CollectiveInfo:
     synchronous: bool
 
 
-# op -> (kind, index of the group size argument, or of a list as long as the group, or None; synchronous)
-_COLLECTIVES = {
-    c10d.all_gather_into_tensor.default: ("all_gather", 1, False),
-    c10d.all_gather_into_tensor_out.default: ("all_gather", 1, False),
-    fsdp.all_gather_send_recv_.default: ("all_gather", 2, False),
-    fsdp.all_gather_params_.default: ("all_gather", 3, False),
-    c10d.reduce_scatter_tensor.default: ("reduce_scatter", 2, False),
-    c10d.all_reduce.default: ("all_reduce", None, False),
-    c10d.all_to_all_single.default: ("all_to_all", 1, False),
-    fsdp.all_to_all_into_.default: ("all_to_all", 2, False),
-    fsdp.all_to_all_grads_.default: ("all_to_all", 2, False),
-    fsdp.all_gather_into.default: ("all_gather", 2, True),
-    fsdp.reduce_scatter_grad.default: ("reduce_scatter", 1, True),
-}
-
-
 def is_collective(node: fx.Node) -> bool:
     """Whether ``node`` is one of the collectives the cost model times (``collective_info``)."""
-    return node.op == "call_function" and node.target in _COLLECTIVES
+    return node_collective(node) is not None
 
 
 def _group_size(group_name: str) -> int | None:
@@ -328,9 +315,10 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
     ``all_reduce`` names no group size: it comes from the live process group of that
     name, else from ``world_size``, else this raises ``ValueError``.
     """
-    if not is_collective(node):
+    found = node_collective(node)
+    if found is None:
         return None
-    kind, size_index, synchronous = _COLLECTIVES[node.target]
+    kind, size_index, synchronous = found.kind, found.size_arg, found.synchronous
     if size_index is not None:
         size_arg = node.args[size_index]
         size = len(size_arg) if isinstance(size_arg, (list, tuple)) else _int(size_arg)

@@ -4,8 +4,8 @@
 A functional ``all_gather_into_tensor`` allocates its output inside the collective,
 out of reach of Inductor's memory planner: every group's gather asks the allocator
 for a fresh unsharded-size block. On CPU such a block is a fresh ``mmap`` whose
-pages fault on first write (measured on torch 2.13: a 25 MB copy into fresh memory
-takes about four times as long as into reused memory). Rewritten as ``new_empty`` plus
+pages fault on first write, so a copy into it is several times slower than into
+reused memory (docs/benchmarks.md). Rewritten as ``new_empty`` plus
 ``all_gather_into_tensor_out(input, ..., out=new_empty)``, the output is an ordinary
 Inductor buffer, and the wrapper hands a finished group's buffer to the next group
 of the same size.
@@ -54,6 +54,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from compile_shard.ops import gathers_by_send_recv, reduces_by_all_to_all
 
 from ._graph import VIEWS, NodeInserter, c10d, fsdp
+from .patterns import match_copy_out, only_user
 
 aten = torch.ops.aten
 
@@ -103,10 +104,6 @@ _COPIES = (
 )
 
 
-def _only_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _erase_unused(graph: fx.Graph, replaced: list[fx.Node]) -> None:
     """Erases the ``replaced`` nodes, then every copy or view that only they read."""
     stack, erased = list(replaced), set()
@@ -138,35 +135,27 @@ def _copied_in_shards(all_gather_input: fx.Node) -> tuple[list[fx.Node], list[in
     return shards, [int(numel) for numel in padded_numels]
 
 
-def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int) -> list[fx.Node] | None:
+def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int) -> tuple[fx.Node, ...] | None:
     """Each parameter's copy in a lowered copy-out (the view of its clone), in gathered order; or None.
 
     The copy-out views the rank-major buffer ``[world_size, -1]``, splits it into the
     parameters' columns and clones each: parameter ``i``'s copy holds its padded rows
     rank by rank, the ``i``-th segment of what ``all_gather_params_`` fills.
     """
-    rank_major = _only_user(wait)
-    split = _only_user(rank_major) if rank_major is not None and rank_major.target in VIEWS else None
-    if split is None or split.target is not aten.split_with_sizes.default:
+    copy_out = match_copy_out(wait)
+    if copy_out is None or len(wait.users) != 1 or copy_out.split.target is not aten.split_with_sizes.default:
         return None
-    if list(rank_major.meta["val"].shape) != [world_size, sum(padded_numels)]:
+    if list(copy_out.rank_major.meta["val"].shape) != [world_size, sum(padded_numels)]:
         return None
-    if list(split.args[1]) != padded_numels or split.args[2:] != (1,):
+    if list(copy_out.split.args[1]) != padded_numels or len(copy_out.columns) != len(padded_numels):
         return None
-    copies = [None] * len(padded_numels)
-    for getitem in split.users:
-        clone = _only_user(getitem)
-        copy = _only_user(clone) if clone is not None and clone.target is aten.clone.default else None
-        if getitem.target is not operator.getitem or copy is None or copy.target not in VIEWS:
-            return None
-        copies[getitem.args[1]] = copy
-    return copies if all(copy is not None for copy in copies) else None
+    return copy_out.copies
 
 
 def _gather_params_in_place(graph: fx.Graph, gather: fx.Node) -> bool:
     """A gloo group's copy-in, all-gather and copy-out become ``fsdp.all_gather_params_``; False for another shape."""
     all_gather_input, world_size, group_name = gather.args
-    wait = _only_user(gather)
+    wait = only_user(gather)
     copied_in = _copied_in_shards(all_gather_input)
     if wait is None or wait.target is not c10d.wait_tensor.default or copied_in is None:
         return False
@@ -178,8 +167,8 @@ def _gather_params_in_place(graph: fx.Graph, gather: fx.Node) -> bool:
     unsharded_params = insert(aten.new_empty.default, shards[0], [world_size * sum(padded_numels)])
     insert(fsdp.all_gather_params_.default, unsharded_params, shards, padded_numels, world_size, group_name)
     wait.replace_input_with(gather, unsharded_params)
-    concatenated = _only_user(copies[0])
-    if concatenated is not None and concatenated.target is aten.cat.default and concatenated.args[0] == copies:
+    concatenated = only_user(copies[0])
+    if concatenated is not None and concatenated.target is aten.cat.default and tuple(concatenated.args[0]) == copies:
         concatenated.replace_all_uses_with(wait)  # the copy_out pass's concatenation: the same layout
         replaced = [gather, concatenated]
     else:
@@ -201,7 +190,7 @@ def _exchange_grads_in_place(graph: fx.Graph, exchange: fx.Node) -> bool:
     reduction_input = unsharded_grad
     if reduction_input.target in VIEWS and len(reduction_input.users) == 1:
         reduction_input = reduction_input.args[0]
-    wait = _only_user(exchange)
+    wait = only_user(exchange)
     if (
         reduction_input.target is not fsdp.reduce_scatter_input.default
         or len(reduction_input.users) != 1
@@ -219,7 +208,7 @@ def _exchange_grads_in_place(graph: fx.Graph, exchange: fx.Node) -> bool:
     return True
 
 
-def gather_into_planned_buffers(graph: fx.Graph) -> int:
+def gather_buffers(graph: fx.Graph) -> int:
     """Gives each all-gather, reduction input (and gloo all-to-all) a buffer Inductor allocates; returns how many it rewrote."""
     rewritten = 0
     for gather in list(graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)):

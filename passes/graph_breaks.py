@@ -16,9 +16,9 @@ import warnings
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from ._graph import group_annotation
-from .place import gathered_nodes
-from .reshard import copy_out_chain
+from compile_shard._annotation import group_annotation
+
+from .patterns import all_gather_outputs, copy_out_chain
 
 _warned: set[tuple[str, ...]] = set()
 
@@ -31,9 +31,9 @@ def _leaked_groups(graph: fx.Graph) -> set[str]:
     (output,) = graph.find_nodes(op="output")
     outputs = set(output.all_input_nodes)
     return {
-        group_annotation(gathered)["group"]
-        for gathered in gathered_nodes(graph)
-        if outputs.intersection(copy_out_chain(gathered))
+        group_annotation(all_gather_output).name
+        for all_gather_output in all_gather_outputs(graph)
+        if outputs.intersection(copy_out_chain(all_gather_output))
     }
 
 
@@ -42,8 +42,8 @@ def warn_if_partial(graph: fx.Graph) -> bool:
     annotations = [a for node in graph.nodes if (a := group_annotation(node)) is not None]
     if not annotations:
         return False
-    present = {a["group"] for a in annotations}
-    missing = sorted(set(annotations[0]["root_groups"]) - present)
+    present = {a.name for a in annotations}
+    missing = sorted(set(annotations[0].model_groups) - present)
     leaked = sorted(_leaked_groups(graph))
     if not missing and not leaked:
         return False

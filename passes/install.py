@@ -15,13 +15,14 @@ Four hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
   (``run_partitioned_suite``). Backends without such a hook (``aot_eager``) run the
   partitioner's order; a custom backend can call ``run_partitioned_suite`` itself.
 - ``torch._inductor.config.reorder_for_compute_comm_overlap_passes`` gets
-  ``keep_fx_order``, so Inductor's scheduler emits that order (see ``keep_order``).
+  ``keep_order``, so Inductor's scheduler emits that order (see ``keep_order``).
 
 A pass a user had set on either hook before keeps running, after ours.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,20 +30,21 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from compile_shard.debug import GraphDump, turn_off_caches_when_dumping_from_environment
+from compile_shard._annotation import group_annotation
 
-from ._graph import fsdp, group_annotation, is_backward
+from ._graph import fsdp, is_backward
 from .bucket import bucket
+from .compile_regions import compile_regions, tag_region_parameters
 from .copy_out import copy_out
-from .gather_buffers import gather_into_planned_buffers
+from .cost_model import HardwareProfile, get_profile
+from .dump import GraphDump, turn_off_caches_when_dumping_from_environment
+from .gather_buffers import gather_buffers
 from .graph_breaks import warn_if_partial
-from .keep_order import keep_fx_order
+from .keep_order import keep_order
 from .lower import lower
 from .place import place
 from .refunctionalize import refunctionalize
-from .regions import forward_region_inputs, tag_region_parameters
-from .cost_model import HardwareProfile, get_profile
-from .reorder import schedule, schedule_within_budget
+from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
 from .settings import settings
@@ -62,16 +64,27 @@ def has_sharded_params(graph: fx.Graph) -> bool:
     )
 
 
-_PASSES = (
-    ("refunctionalize", refunctionalize),
-    ("compile_regions", forward_region_inputs),
-    ("bucket", lambda graph: bucket(graph, settings.bucket_cap_mb)),
-    ("reshard", reshard),
-    ("save_attention", save_attention),
-    ("lower", lower),
-    ("copy_out", copy_out),
-    ("place", place),
+#: The passes on the joint graph, in order; each returns how much it changed. A pass
+#: is named once: its function, its module, its switch in ``settings`` and its dump
+#: file share the name.
+JOINT_PASSES: tuple[Callable[[fx.Graph], int], ...] = (
+    refunctionalize,
+    compile_regions,
+    bucket,
+    reshard,
+    save_attention,
+    lower,
+    copy_out,
+    place,
 )
+
+
+def _after(graph_pass: Callable[..., int], graph: fx.Graph, dump: GraphDump | None) -> None:
+    """What follows every pass: its dump stage, then ``verify``, which blames it for a broken invariant."""
+    if dump:
+        dump.write(graph_pass.__name__, graph)
+    if settings.verify:
+        verify(graph, after=graph_pass.__name__)
 
 
 def run_suite(graph: fx.Graph) -> dict[str, int]:
@@ -84,13 +97,10 @@ def run_suite(graph: fx.Graph) -> dict[str, int]:
     if dump:
         dump.write("joint", graph)
     changes = {}
-    for name, graph_pass in _PASSES:
-        if getattr(settings, name):
-            changes[name] = graph_pass(graph)
-            if dump:
-                dump.write(name, graph)
-    if settings.verify:
-        verify(graph)
+    for graph_pass in JOINT_PASSES:
+        if getattr(settings, graph_pass.__name__):
+            changes[graph_pass.__name__] = graph_pass(graph)
+            _after(graph_pass, graph, dump)
     return changes
 
 
@@ -130,19 +140,20 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     profile = get_profile(profile_name)
     prefetch_depth, reduce_scatter_depth = scheduled_depths(profile)
     if settings.reorder and settings.memory_budget_mb is None:
-        moved = schedule(graph, prefetch_depth, reduce_scatter_depth)
+        moved = reorder(graph, prefetch_depth, reduce_scatter_depth)
     elif settings.reorder:
-        moved = schedule_within_budget(
+        moved = reorder_within_budget(
             graph,
             prefetch_depth,
             reduce_scatter_depth,
             settings.memory_budget_mb * 2**20,
             lambda scheduled: simulate(scheduled, profile).peak_memory_bytes,
         )
+    if settings.reorder:
+        _after(reorder, graph, None)
     if planned_buffers and settings.gather_buffers:
-        gather_into_planned_buffers(graph)
-    if settings.verify:
-        verify(graph)
+        gather_buffers(graph)
+        _after(gather_buffers, graph, None)
     if GraphDump.latest is not None:
         GraphDump.latest.write_partitioned("backward" if is_backward(graph) else "forward", graph, profile_name)
     return moved
@@ -192,12 +203,15 @@ def rank_cache_key() -> int | None:
     """This process's rank where the suite's graphs depend on it, for the cache keys; else ``None``.
 
     [Note: rank-specific graphs and the caches]
-    On gloo, ``lower`` slices this rank's shard out of an all-reduce ([Note: gloo
-    reduce-scatter]), so each rank's compiled backward differs, while the Dynamo graph
-    that AOTAutograd's cache is keyed on is the same on every rank. Without the rank in
-    the key, ranks sharing a cache directory load each other's backward (measured:
-    wrong gradients on 3 ranks once the cache was warm). Elsewhere the graphs are
-    rank-agnostic and ranks keep sharing one cache entry.
+    AOTAutograd's and Inductor's caches are keyed on the Dynamo graph, which is the
+    same on every rank with the same shard shapes. A compiled graph that depends on
+    the rank would then be loaded by the other ranks sharing a cache directory: wrong
+    gradients, no error. No op takes a rank today (gloo's reduction is an all-to-all
+    and ``fsdp::sum_shards``, [Note: gloo reduce-scatter]), but on gloo the suite
+    rewrites collectives into point-to-point transfers whose kernels read the rank
+    from the process group; keying gloo's graphs on the rank keeps a future
+    rank-specific rewrite from turning into that silent failure, at the price of one
+    cache entry per rank. Elsewhere ranks share one entry.
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
@@ -218,7 +232,7 @@ class _InductorJointPrePass(_ChainedInductorPass):
 
     def run(self, graph: fx.Graph) -> None:
         if settings.verify:
-            verify(graph)
+            verify(graph, after="Inductor's joint-graph passes")
 
 
 class _PostGradPass(_ChainedInductorPass):
@@ -239,11 +253,11 @@ def install() -> None:
         inductor_config.joint_custom_pre_pass = _InductorJointPrePass(inductor_config.joint_custom_pre_pass)
     if not isinstance(inductor_config.post_grad_custom_post_pass, _PostGradPass):
         inductor_config.post_grad_custom_post_pass = _PostGradPass(inductor_config.post_grad_custom_post_pass)
-    if keep_fx_order not in inductor_config.reorder_for_compute_comm_overlap_passes:
+    if keep_order not in inductor_config.reorder_for_compute_comm_overlap_passes:
         # Torch's own overlap passes stay if the user turned them on; ours runs last.
         previous = inductor_config.reorder_for_compute_comm_overlap_passes
         inductor_config.reorder_for_compute_comm_overlap_passes = [
             *(previous if inductor_config.reorder_for_compute_comm_overlap else ()),
-            keep_fx_order,
+            keep_order,
         ]
         inductor_config.reorder_for_compute_comm_overlap = True

@@ -4,7 +4,7 @@ Inductor's scheduler reorders nodes for peak memory after fusion, which on a
 sharded graph sinks prefetched all-gathers back to their first use and pulls waits
 up to their collectives: the overlap is gone. Inductor's documented hook for
 collective scheduling, ``reorder_for_compute_comm_overlap_passes``, runs after that;
-``keep_fx_order`` sits there and restores the order of the FX graph (each fused
+``keep_order`` sits there and restores the order of the FX graph (each fused
 node at the position of its earliest FX origin), respecting every dependency the
 scheduler knows. Graphs without compile_shard annotations pass through unchanged.
 """
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import heapq
 
-from ._graph import group_annotation
+from compile_shard._annotation import group_annotation
 
 
 def _origins(snode) -> list:
     return [origin for node in snode.get_nodes() if node.node is not None for origin in node.node.get_origins()]
 
 
-def keep_fx_order(snodes: list) -> list:
+def keep_order(snodes: list) -> list:
     """Scheduler nodes sorted topologically by the FX position of their origins."""
     origins = {snode: _origins(snode) for snode in snodes}
     annotated = [o for found in origins.values() for o in found if group_annotation(o) is not None]

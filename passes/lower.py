@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compile_shard._layout import padded_rows
 from compile_shard.ops import reduces_by_all_to_all
 
 from ._graph import VIEWS, NodeInserter, c10d, fsdp
@@ -46,12 +47,12 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
             pad = padded_numel - numel
         padded.append(flat if pad == 0 else insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0))
     all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
-    gathered = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
+    all_gather = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
         # Save the gathered parameters only, not the copy-in buffers or the un-waited collective.
-        for copy_in_node in [*padded, all_gather_input, gathered]:
+        for copy_in_node in [*padded, all_gather_input, all_gather]:
             copy_in_node.meta.pop("recompute", None)
-    node.replace_all_uses_with(insert(c10d.wait_tensor.default, gathered))
+    node.replace_all_uses_with(insert(c10d.wait_tensor.default, all_gather))
     graph.erase_node(node)
 
 
@@ -92,8 +93,7 @@ def _padded_gradient(piece: fx.Node, world_size: int) -> fx.Node | None:
         value = gradient.meta["val"]
         if value.dim() == 0:
             return False
-        padded_rows = -(-value.size(0) // world_size)
-        return list(piece.meta["val"].shape) == [world_size, padded_rows * value[0].numel()]
+        return list(piece.meta["val"].shape) == [world_size, padded_rows(value.size(0), world_size) * value[0].numel()]
 
     gradient = piece.args[0]
     unpadded = _unpadded(gradient)

@@ -12,22 +12,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ._graph import c10d, fsdp, group_annotation
-from .reshard import chain_readers, copy_out_chain
-
-_GATHERS = (fsdp.all_gather_into.default, c10d.wait_tensor.default)
-
-
-def _is_gathered(node: fx.Node) -> bool:
-    if node.target not in _GATHERS or group_annotation(node) is None:
-        return False
-    return node.target is fsdp.all_gather_into.default or node.args[0].target is c10d.all_gather_into_tensor.default
-
-
-def gathered_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """The nodes holding each group's gathered flat buffer: the fsdp op, or the wait after lowering."""
-    return [node for node in graph.nodes if _is_gathered(node)]
-
+from .patterns import all_gather_outputs, chain_readers, copy_out_chain
 
 def _producers(node: fx.Node) -> list[fx.Node]:
     """``node``'s call_function ancestors: the collective and its copy-in, back to the shards."""
@@ -44,8 +29,8 @@ def place(graph: fx.Graph) -> int:
     """Moves every annotated gather chain next to its first reader; returns how many moved."""
     order = {node: index for index, node in enumerate(graph.nodes)}
     moved = 0
-    for gathered in gathered_nodes(graph):
-        chain = set(_producers(gathered)) | set(copy_out_chain(gathered))
+    for all_gather_output in all_gather_outputs(graph):
+        chain = set(_producers(all_gather_output)) | set(copy_out_chain(all_gather_output))
         readers = chain_readers(list(chain))
         if not readers or any(reader.op == "output" for reader in readers):
             continue  # gathered parameters leave the graph (a graph break): leave them be

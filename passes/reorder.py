@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ._graph import c10d, group_annotation, is_backward, reorder_by_priority
-from .bucket import members
-from .reshard import chain_readers, copy_out_chain
+from compile_shard._annotation import group_annotation
+
+from ._graph import c10d, is_backward, reorder_by_priority
+from .patterns import chain_readers, copy_out_chain
 
 _GATHER = (c10d.all_gather_into_tensor.default,)
 # A gradient reduction is a reduce-scatter, or an all-to-all where the backend has no
@@ -52,7 +53,7 @@ class _Unit:
 
     @property
     def members(self) -> list[str]:
-        return members(group_annotation(self.collective))
+        return list(group_annotation(self.collective).members)
 
 
 def _copy_in(unit: _Unit) -> list[fx.Node]:
@@ -69,7 +70,7 @@ def _copy_in(unit: _Unit) -> list[fx.Node]:
         annotation = group_annotation(node)
         if node in found or node.op != "call_function" or annotation is None:
             continue
-        if not set(members(annotation)) <= groups:
+        if not set(annotation.members) <= groups:
             continue
         found.append(node)
         stack.extend(node.all_input_nodes)
@@ -108,7 +109,7 @@ def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[f
         issue_at[id(unit)] = wait_at[id(ordered[k - depth])] - 0.25 if k >= depth else -1.0
     by_group = {group: unit for unit in ordered for group in unit.members}
     for unit in ordered:
-        for group in group_annotation(unit.collective).get(explicit_key, ()):
+        for group in getattr(group_annotation(unit.collective), explicit_key):
             target = by_group.get(group)
             if target is not None and target is not unit:
                 issue_at[id(target)] = min(issue_at[id(target)], wait_at[id(unit)] - 0.25)
@@ -152,7 +153,7 @@ def _reduced(unit: _Unit) -> list[fx.Node]:
     return [user for user in unit.wait.users if group_annotation(user) is not None]
 
 
-def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int = 1) -> int:
+def reorder(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int = 1) -> int:
     """Reorders one partitioned graph; returns how many nodes moved.
 
     ``prefetch_depth`` 0 gathers right before use (no overlap); ``reduce_scatter_depth``
@@ -167,7 +168,7 @@ def schedule(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int
     return reorder_by_priority(graph, priority)
 
 
-def schedule_within_budget(
+def reorder_within_budget(
     graph: fx.Graph,
     prefetch_depth: int,
     reduce_scatter_depth: int,
@@ -179,10 +180,10 @@ def schedule_within_budget(
     Warns when even gathering right before use (depth 0) does not fit: the budget is
     then below what the graph needs without any prefetch, which no schedule fixes.
     """
-    moved = schedule(graph, prefetch_depth, reduce_scatter_depth)
+    moved = reorder(graph, prefetch_depth, reduce_scatter_depth)
     while (peak := peak_memory(graph)) > memory_budget_bytes and prefetch_depth > 0:
         prefetch_depth -= 1
-        moved += schedule(graph, prefetch_depth, reduce_scatter_depth)
+        moved += reorder(graph, prefetch_depth, reduce_scatter_depth)
     if peak > memory_budget_bytes:
         kind = "backward" if is_backward(graph) else "forward"
         warnings.warn(

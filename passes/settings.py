@@ -55,7 +55,7 @@ class PassSettings:
     memory_budget_mb: float | None = None
     #: Hardware profile for the simulator (budget, dumps); ``None``: by the graph's device.
     cost_profile: str | None = None
-    #: Check the graph invariants after the suite (raises ``GraphInvariantError``).
+    #: Check the graph invariants after every pass (raises ``GraphInvariantError`` naming the pass).
     verify: bool = True
 
     def cache_key(self) -> str:

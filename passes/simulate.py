@@ -51,7 +51,9 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from ._graph import c10d, group_annotation, waited_node
+from compile_shard._annotation import group_annotation
+
+from ._graph import c10d
 from .cost_model import (
     HardwareProfile,
     collective_info,
@@ -61,6 +63,7 @@ from .cost_model import (
     is_view,
     tensor_bytes,
 )
+from .patterns import waited_node
 
 #: How many compute node names a ``CollectiveRecord`` keeps in ``overlapped_compute``.
 OVERLAP_NAMES = 8
@@ -134,7 +137,7 @@ class Simulation:
 
 def _group(node: fx.Node) -> str | None:
     annotation = group_annotation(node)
-    return None if annotation is None else annotation["group"]
+    return None if annotation is None else annotation.name
 
 
 def _alias_source(node: fx.Node) -> fx.Node | None:

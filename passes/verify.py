@@ -14,21 +14,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ._graph import c10d, fsdp, group_annotation, waited_node
-from .place import gathered_nodes
-from .reshard import copy_out_chain
+from compile_shard._annotation import group_annotation
+from compile_shard._collectives import node_collective
 
-_COLLECTIVES = {
-    c10d.all_gather_into_tensor.default,
-    c10d.all_gather_into_tensor_out.default,
-    fsdp.all_gather_send_recv_.default,
-    fsdp.all_gather_params_.default,
-    fsdp.all_to_all_into_.default,
-    fsdp.all_to_all_grads_.default,
-    c10d.reduce_scatter_tensor.default,
-    c10d.all_reduce.default,
-    c10d.all_to_all_single.default,
-}
+from ._graph import c10d, fsdp
+from .patterns import all_gather_outputs, copy_out_chain, waited_node
+
 _MUTATIONS = {
     fsdp.set_.default,
     fsdp.resize_storage_.default,
@@ -41,23 +32,29 @@ class GraphInvariantError(AssertionError):
     """A pass produced a graph that breaks one of compile_shard's invariants."""
 
 
-def verify(graph: fx.Graph) -> None:
-    """Raises ``GraphInvariantError`` naming the first node that breaks an invariant."""
+def verify(graph: fx.Graph, after: str | None = None) -> None:
+    """Raises ``GraphInvariantError`` naming the first node that breaks an invariant.
+
+    ``after`` names the pass that just ran, so the error blames the pass that broke
+    the invariant rather than a later one that tripped over it.
+    """
+    blame = f"after {after}: " if after else ""
     try:
         graph.lint()
     except RuntimeError as error:
-        raise GraphInvariantError(f"malformed graph: {error}") from error
+        raise GraphInvariantError(f"{blame}malformed graph: {error}") from error
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node.target in _MUTATIONS:
-            raise GraphInvariantError(f"storage mutation left in the graph: {node.format_node()}")
-        if node.target in _COLLECTIVES:
+            raise GraphInvariantError(f"{blame}storage mutation left in the graph: {node.format_node()}")
+        found = node_collective(node)
+        if found is not None and not found.synchronous:
             users = [user for user in waited_node(node).users if user is not node]
             waits = [user for user in users if user.target is c10d.wait_tensor.default]
             if len(waits) != 1 or len(users) != 1:
                 raise GraphInvariantError(
-                    f"collective {node.name} must be read by exactly one wait_tensor, got users "
+                    f"{blame}collective {node.name} must be read by exactly one wait_tensor, got users "
                     f"{[user.name for user in users]}"
                 )
 
@@ -67,13 +64,13 @@ def verify_forward(graph: fx.Graph) -> None:
     verify(graph)
     (output,) = graph.find_nodes(op="output")
     outputs = set(output.all_input_nodes)
-    for gathered in gathered_nodes(graph):
-        annotation = group_annotation(gathered)
-        if not annotation["reshard_after_forward"]:
+    for all_gather_output in all_gather_outputs(graph):
+        annotation = group_annotation(all_gather_output)
+        if not annotation.reshard_after_forward:
             continue
-        saved = [chain_node.name for chain_node in copy_out_chain(gathered) if chain_node in outputs]
+        saved = [chain_node.name for chain_node in copy_out_chain(all_gather_output) if chain_node in outputs]
         if saved:
             raise GraphInvariantError(
-                f"group {annotation['group']!r} reshards after forward, but the forward saves its "
+                f"group {annotation.name!r} reshards after forward, but the forward saves its "
                 f"gathered parameters: {saved}"
             )

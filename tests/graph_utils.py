@@ -11,9 +11,9 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compile_shard._group import GROUP_ANNOTATION
+from compile_shard._annotation import GroupAnnotation, write_group_annotation
 from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite
-from compile_shard.passes.regions import with_region_tags
+from compile_shard.passes.compile_regions import with_region_tags
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -24,10 +24,15 @@ def trace(fn, *args) -> fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
-def annotate_group(graph: fx.Graph, group: str, reshard_after_forward: bool) -> None:
+def make_annotation(name: str, reshard_after_forward: bool = True, **knobs) -> GroupAnnotation:
+    """The annotation the runtime gives group ``name`` of a model with no other group."""
+    return GroupAnnotation(name, reshard_after_forward, members=(name,), model_groups=(name,), **knobs)
+
+
+def annotate_group(graph: fx.Graph, name: str, reshard_after_forward: bool) -> None:
     """Marks every fsdp all-gather the way the runtime's trace does."""
     for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
-        node.meta["custom"] = {GROUP_ANNOTATION: {"group": group, "reshard_after_forward": reshard_after_forward}}
+        write_group_annotation(node, make_annotation(name, reshard_after_forward))
 
 
 def op_counts(graph: fx.Graph) -> Counter:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 from compile_shard.passes import GraphInvariantError, lower, refunctionalize, reshard, verify, verify_forward
 from graph_utils import annotate_group, c10d, fsdp, op_counts, trace
 
@@ -142,7 +143,7 @@ def test_lower_all_gather_into_c10d_with_copy_in():
     # The lowered chain keeps the group's annotation and recompute tag.
     for node in (gather, *cat.args[0], cat, next(iter(gather.users))):
         assert node.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
-        assert node.meta["custom"]["compile_shard_group"]["group"] == "blocks.0"
+        assert group_annotation(node).name == "blocks.0"
     verify(graph_module.graph)
 
 
@@ -419,6 +420,33 @@ def test_verify_rejects_out_of_order_nodes():
         verify(graph_module.graph)
 
 
+def test_the_suite_verifies_after_each_pass_and_blames_the_one_that_broke_an_invariant(monkeypatch):
+    install = importlib.import_module("compile_shard.passes.install")  # the package's ``install`` is the function
+
+    def copy_out(graph):  # stands in for the real pass of that name: reads a collective before its wait
+        (gather,) = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+        (wait,) = gather.users
+        for user in list(wait.users):
+            user.replace_input_with(wait, gather)
+        return 1
+
+    passes = tuple(copy_out if p.__name__ == "copy_out" else p for p in install.JOINT_PASSES)
+    monkeypatch.setattr(install, "JOINT_PASSES", passes)
+    graph_module = trace(_gather_and_use, *_shards())
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    with pytest.raises(GraphInvariantError, match="^after copy_out: collective"):
+        install.run_suite(graph_module.graph)
+
+
+def test_each_pass_is_named_once_by_its_function_module_and_switch():
+    import compile_shard.passes as passes
+
+    for graph_pass in (*passes.JOINT_PASSES, passes.reorder, passes.gather_buffers):
+        name = graph_pass.__name__
+        assert graph_pass.__module__ == f"compile_shard.passes.{name}"
+        assert isinstance(getattr(passes.settings, name), bool), name
+
+
 def test_verify_forward_rejects_saving_a_resharded_gather():
     def forward(shard_w, shard_b, x):
         gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
@@ -436,12 +464,10 @@ def test_verify_forward_rejects_saving_a_resharded_gather():
 # graph_breaks ----------------------------------------------------------------------
 
 
-def _annotated_gather(root_groups):
+def _annotated_gather(model_groups):
     graph_module = trace(_gather_and_use, *_shards())
     for node in graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
-        node.meta["custom"] = {
-            "compile_shard_group": {"group": "blocks.0", "reshard_after_forward": True, "root_groups": root_groups}
-        }
+        write_group_annotation(node, GroupAnnotation("blocks.0", True, members=("blocks.0",), model_groups=model_groups))
     return graph_module.graph
 
 

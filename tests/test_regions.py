@@ -11,13 +11,14 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
-from compile_shard._region import REGION_PARAM_ANNOTATION, REGIONS_SUPPORTED, accepts_region_call, block_signature
+from compile_shard._annotation import REGION_PARAM_ANNOTATION
+from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig, TransformerBlock
 from compile_shard.passes import GraphInvariantError, settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
-from compile_shard.passes.regions import forward_region_inputs, tag_region_parameters
+from compile_shard.passes.compile_regions import compile_regions, tag_region_parameters
 from compile_shard.passes.simulate import simulate_step
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
 from graph_utils import CapturingBackend, op_counts, pass_settings
@@ -514,7 +515,7 @@ def _outer_graph_with_region(returns_view: bool) -> tuple[fx.GraphModule, fx.Nod
 
 def test_forward_region_inputs_reads_the_argument_instead_of_the_returned_input():
     module, weight, backward_read = _outer_graph_with_region(returns_view=False)
-    assert forward_region_inputs(module.graph) == 1
+    assert compile_regions(module.graph) == 1
     assert backward_read.args[1] is weight
     module.graph.lint()
 
@@ -522,7 +523,7 @@ def test_forward_region_inputs_reads_the_argument_instead_of_the_returned_input(
 def test_forward_region_inputs_refuses_a_saved_parameter_view():
     module, _, _ = _outer_graph_with_region(returns_view=True)
     with pytest.raises(GraphInvariantError, match="saves a view of its unsharded parameter"):
-        forward_region_inputs(module.graph)
+        compile_regions(module.graph)
 
 
 def test_tag_region_parameters_tags_the_parameter_chain_only():

@@ -7,23 +7,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from compile_shard._group import GROUP_ANNOTATION
+from compile_shard._annotation import group_annotation, write_group_annotation
 from compile_shard.passes import (
     bucket,
     copy_out,
-    gather_into_planned_buffers,
-    keep_fx_order,
+    gather_buffers,
+    keep_order,
     lower,
     place,
     reshard,
-    schedule,
+    reorder,
     verify,
 )
 from compile_shard.passes.cost_model import get_profile
 from compile_shard.passes.simulate import simulate
-from compile_shard.passes._graph import reorder_by_priority, waited_node
+from compile_shard.passes._graph import reorder_by_priority
+from compile_shard.passes.patterns import waited_node
 from dist_utils import FakeProcessGroup, run_gloo
-from graph_utils import c10d, fsdp, trace
+from graph_utils import c10d, fsdp, make_annotation, trace
 
 aten = torch.ops.aten
 WORLD, GROUP = 2, "0"
@@ -53,12 +54,11 @@ def _annotate(graph, groups, reshard_after_forward=True, **knobs):
     """Annotates the fsdp gathers (in graph order) and every node of their copy-out as the runtime would."""
     gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
     for node, group in zip(gathers, groups):
-        annotation = {"group": group, "reshard_after_forward": reshard_after_forward}
-        annotation.update({knob: tuple(names.get(group, ())) for knob, names in knobs.items()})
+        annotation = make_annotation(group, reshard_after_forward, **{k: tuple(v.get(group, ())) for k, v in knobs.items()})
         chain = [node, *node.users, *(u for user in node.users for u in user.users)]
         chain += [g for split in list(chain) for g in split.users if g.target is operator.getitem]
         for chain_node in chain:
-            chain_node.meta["custom"] = {GROUP_ANNOTATION: annotation}
+            write_group_annotation(chain_node, annotation)
 
 
 def _traced(fn=_three_layers, inputs=None, groups=("a", "b", "c"), **knobs):
@@ -114,8 +114,8 @@ def test_bucket_merges_adjacent_groups_within_the_cap():
     assert len(gathers) == 2
     merged = next(n for n in gathers if len(n.args[0]) == 2)
     assert list(merged.args[1]) == NUMELS * 2
-    annotation = merged.meta["custom"][GROUP_ANNOTATION]
-    assert annotation["group"] == "a+b" and annotation["members"] == ["a", "b"]
+    annotation = group_annotation(merged)
+    assert annotation.name == "a+b" and annotation.members == ("a", "b")
     graph.lint()
     # reshard and place see the bucket as one group.
     assert reshard(graph) == 2
@@ -127,7 +127,7 @@ def test_bucket_merges_adjacent_groups_within_the_cap():
 def test_bucket_does_nothing_without_a_cap_or_below_one_pair():
     graph_module = _traced()
     before = graph_module.print_readable(print_output=False)
-    assert bucket(graph_module.graph, cap_mb=None) == 0
+    assert bucket(graph_module.graph, cap_mb=0) == 0
     assert bucket(graph_module.graph, cap_mb=1.5 * WORLD * NUMELS[0] * 4 / 2**20) == 0
     assert graph_module.print_readable(print_output=False) == before
 
@@ -137,7 +137,7 @@ def test_bucket_keeps_groups_with_different_resharding_apart():
     graph = graph_module.graph
     _annotate(graph, ["a", "b", "c"])
     gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
-    gathers[1].meta["custom"] = {GROUP_ANNOTATION: {"group": "b", "reshard_after_forward": False}}
+    write_group_annotation(gathers[1], make_annotation("b", reshard_after_forward=False))
     assert bucket(graph, cap_mb=100.0) == 0  # a | b | c: no two neighbors agree
 
 
@@ -154,7 +154,7 @@ def _gather_and_reduce(s0, s1, g0, g1, x):
 
 def _annotate_reductions(graph, groups):
     for node, group in zip(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default), groups):
-        node.meta["custom"] = {GROUP_ANNOTATION: {"group": group, "reshard_after_forward": True}}
+        write_group_annotation(node, make_annotation(group))
 
 
 def test_bucket_merges_the_matching_reduce_scatters():
@@ -165,7 +165,7 @@ def test_bucket_merges_the_matching_reduce_scatters():
     _annotate_reductions(graph, ["b", "a"])  # backward runs in reverse
     assert bucket(graph, cap_mb=1.0) == 2
     (reduction,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
-    assert reduction.meta["custom"][GROUP_ANNOTATION]["group"] == "a+b"
+    assert group_annotation(reduction).name == "a+b"
     assert reduction.meta["val"].shape == (2 * NUMELS[0],)
     graph.lint()
 
@@ -216,28 +216,28 @@ def test_schedule_issues_each_gather_before_the_previous_groups_wait():
     graph = graph_module.graph
     gathers, waits = _issue_and_wait_positions(graph)
     assert all(wait < gather for wait, gather in zip(waits, gathers[1:]))  # place: one group at a time
-    assert schedule(graph, prefetch_depth=1) > 0
+    assert reorder(graph, prefetch_depth=1) > 0
     verify(graph)
     gathers, waits = _issue_and_wait_positions(graph)
     matmuls = _position(graph, _is(aten.mm.default))
     # Group k+1 is issued before group k is waited on; group k computes before k+1 is waited on.
     assert all(gather < wait for gather, wait in zip(gathers[1:], waits))
     assert all(wait < mm < next_wait for wait, mm, next_wait in zip(waits, matmuls, waits[1:]))
-    assert schedule(graph, prefetch_depth=1) == 0  # already scheduled
+    assert reorder(graph, prefetch_depth=1) == 0  # already scheduled
 
 
 def test_schedule_with_depth_two_issues_two_groups_ahead_and_depth_zero_none():
     graph_module = _lowered()
-    schedule(graph_module.graph, prefetch_depth=2)
+    reorder(graph_module.graph, prefetch_depth=2)
     gathers, waits = _issue_and_wait_positions(graph_module.graph)
     assert gathers[2] < waits[0]
-    schedule(graph_module.graph, prefetch_depth=0)
+    reorder(graph_module.graph, prefetch_depth=0)
     gathers, waits = _issue_and_wait_positions(graph_module.graph)
     assert all(wait < gather for wait, gather in zip(waits, gathers[1:]))
 
 
 def test_memory_budget_lowers_the_prefetch_depth_until_the_peak_fits():
-    from compile_shard.passes import schedule_within_budget
+    from compile_shard.passes import reorder_within_budget
     from compile_shard.passes.cost_model import get_profile
     from compile_shard.passes.simulate import simulate
 
@@ -245,25 +245,25 @@ def test_memory_budget_lowers_the_prefetch_depth_until_the_peak_fits():
         return simulate(graph, get_profile("h100_nvlink")).peak_memory_bytes
 
     unbounded, bounded = _lowered(), _lowered()
-    schedule(unbounded.graph, prefetch_depth=2)
+    reorder(unbounded.graph, prefetch_depth=2)
     no_prefetch = _lowered()
-    schedule(no_prefetch.graph, prefetch_depth=0)
+    reorder(no_prefetch.graph, prefetch_depth=0)
     assert peak(no_prefetch.graph) < peak(unbounded.graph)
     # A budget between the two: the depth drops until it fits, without a warning.
     budget = (peak(no_prefetch.graph) + peak(unbounded.graph)) / 2
-    schedule_within_budget(bounded.graph, 2, 1, budget, peak)
+    reorder_within_budget(bounded.graph, 2, 1, budget, peak)
     assert peak(bounded.graph) <= budget
     # Below what the graph needs without prefetch: depth 0, and a warning that says so.
     starved = _lowered()
     with pytest.warns(UserWarning, match=r"even without prefetch, over settings.memory_budget_mb"):
-        schedule_within_budget(starved.graph, 2, 1, 1.0, peak)
+        reorder_within_budget(starved.graph, 2, 1, 1.0, peak)
     assert _issue_and_wait_positions(starved.graph) == _issue_and_wait_positions(no_prefetch.graph)
 
 
 def test_schedule_honours_explicit_forward_prefetch():
     graph_module = _lowered(forward_prefetch={"a": ["c"]})
-    schedule(graph_module.graph, prefetch_depth=0)
-    position = {n.meta["custom"][GROUP_ANNOTATION]["group"] + "." + n.target.__name__.split(".")[0]: i
+    reorder(graph_module.graph, prefetch_depth=0)
+    position = {group_annotation(n).name + "." + n.target.__name__.split(".")[0]: i
                 for i, n in enumerate(graph_module.graph.nodes)
                 if n.target in (c10d.all_gather_into_tensor.default, c10d.wait_tensor.default)}
     # With no implicit prefetch, c is still issued before a is waited on; b is not.
@@ -298,7 +298,7 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_
         output.prepend(node)
     for node in [n for n in graph.nodes if n.target is aten.div.Tensor]:
         output.prepend(node)
-    assert schedule(graph, reduce_scatter_depth=1) > 0
+    assert reorder(graph, reduce_scatter_depth=1) > 0
     verify(graph)
     issues = _position(graph, _is(reduction))
     assert len(issues) == 3
@@ -318,7 +318,7 @@ def test_schedule_leaves_graphs_without_annotated_collectives_alone():
     graph_module = trace(_three_layers, *_inputs())
     lower(graph_module.graph)
     before = graph_module.print_readable(print_output=False)
-    assert schedule(graph_module.graph) == 0
+    assert reorder(graph_module.graph) == 0
     assert graph_module.print_readable(print_output=False) == before
 
 
@@ -326,7 +326,7 @@ def test_schedule_leaves_graphs_without_annotated_collectives_alone():
 
 
 class _SchedulerNode:
-    """A stand-in for an Inductor scheduler node: the attributes keep_fx_order reads."""
+    """A stand-in for an Inductor scheduler node: the attributes keep_order reads."""
 
     def __init__(self, name, origins, ancestors=()):
         self.name = name
@@ -342,7 +342,7 @@ class _SchedulerNode:
 
 def test_keep_fx_order_restores_the_fx_order_within_dependencies():
     graph_module = _lowered()
-    schedule(graph_module.graph)
+    reorder(graph_module.graph)
     nodes = list(graph_module.graph.nodes)
     gather = next(n for n in nodes if n.target is c10d.all_gather_into_tensor.default)
     mm = next(n for n in nodes if n.target is aten.mm.default)
@@ -350,17 +350,17 @@ def test_keep_fx_order_restores_the_fx_order_within_dependencies():
     first, second = _SchedulerNode("g0", [gather]), _SchedulerNode("mm", [mm], ["g0"])
     third = _SchedulerNode("g1", [late_gather])
     # Inductor put the prefetch (g1) after the matmul; the FX schedule has it before.
-    assert [s.name for s in keep_fx_order([first, second, third])] == ["g0", "g1", "mm"]
+    assert [s.name for s in keep_order([first, second, third])] == ["g0", "g1", "mm"]
     # A dependency wins over the FX order.
     dependent = _SchedulerNode("g1", [late_gather], ["mm"])
-    assert [s.name for s in keep_fx_order([first, second, dependent])] == ["g0", "mm", "g1"]
+    assert [s.name for s in keep_order([first, second, dependent])] == ["g0", "mm", "g1"]
 
 
 def test_keep_fx_order_leaves_unannotated_graphs_alone():
     graph_module = trace(lambda x: x.sin().cos(), torch.randn(2))
     sin, cos = [n for n in graph_module.graph.nodes if n.op == "call_function"]
     snodes = [_SchedulerNode("cos", [cos]), _SchedulerNode("sin", [sin])]
-    assert keep_fx_order(snodes) is snodes
+    assert keep_order(snodes) is snodes
 
 
 @pytest.fixture(autouse=True)
@@ -375,7 +375,7 @@ def fake_group():
 def _plan_buffers_keeping_the_simulated_step(graph, rewrites):
     """gather_buffers, then verify; the simulator sees the same schedule and memory: a rewritten result is its buffer."""
     before = simulate(graph, get_profile("h100_nvlink"))
-    assert gather_into_planned_buffers(graph) == rewrites
+    assert gather_buffers(graph) == rewrites
     verify(graph)
     after = simulate(graph, get_profile("h100_nvlink"))
     assert after.peak_memory_bytes == before.peak_memory_bytes
@@ -389,7 +389,7 @@ def test_gather_buffers_gives_each_gather_an_allocated_output_kept_input_and_the
     graph_module = _traced()
     graph = graph_module.graph
     lower(graph)
-    schedule(graph, prefetch_depth=1)
+    reorder(graph, prefetch_depth=1)
     _plan_buffers_keeping_the_simulated_step(graph, rewrites=3)
     assert not graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
     if send_recv:  # gloo ([Note: gloo all-gather]): fills its first argument, returns nothing
@@ -419,7 +419,7 @@ def test_gather_buffers_gives_gloo_reductions_an_allocated_exchange_buffer_and_t
     graph = graph_module.graph
     _annotate_reductions(graph, ["c", "b", "a"])
     lower(graph)
-    schedule(graph, reduce_scatter_depth=1)
+    reorder(graph, reduce_scatter_depth=1)
     _plan_buffers_keeping_the_simulated_step(graph, rewrites=3)
     assert not graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)
     exchanges = graph.find_nodes(op="call_function", target=fsdp.all_to_all_into_.default)
@@ -497,7 +497,7 @@ def test_gather_buffers_on_gloo_exchanges_shards_and_gradients_in_place(monkeypa
     graph_module = _lowered_with_copy_out(_gather_use_and_reduce(), _in_place_inputs(1, WORLD))
     graph = graph_module.graph
     before = simulate(graph, get_profile("cpu_gloo"))
-    assert gather_into_planned_buffers(graph) == 2
+    assert gather_buffers(graph) == 2
     verify(graph)
     shard_w, shard_b, _, grad_w, grad_b = graph.find_nodes(op="placeholder")
     # No copy-in, copy-out or reduction input is left: [Note: gloo exchange in place].
@@ -536,7 +536,7 @@ def test_gather_buffers_keeps_the_copies_of_a_gather_whose_buffer_is_saved(monke
         return x @ per_rank_w.clone().view(-1, 4)[:5].t(), gathered  # the buffer leaves the graph
 
     graph_module = _lowered_with_copy_out(gather_and_save, _in_place_inputs(0, WORLD))
-    assert gather_into_planned_buffers(graph_module.graph) == 1
+    assert gather_buffers(graph_module.graph) == 1
     verify(graph_module.graph)
     assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_send_recv_.default)
     assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
@@ -559,7 +559,7 @@ def _in_place_exchange_computes_the_same(rank, world_size):
         graph_module = _lowered_with_copy_out(fn, inputs)  # fake tensors in meta, real collectives when run
         graph_module.recompile()
         expected = graph_module(*inputs)
-        assert gather_into_planned_buffers(graph_module.graph) == rewrites
+        assert gather_buffers(graph_module.graph) == rewrites
         assert graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
         assert not graph_module.graph.find_nodes(op="call_function", target=aten.clone.default)
         if rewrites == 2:
@@ -578,5 +578,5 @@ def test_in_place_gloo_exchange_computes_what_the_copies_compute(world_size):
 def test_gather_buffers_leaves_graphs_without_gathers_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = graph_module.print_readable(print_output=False)
-    assert gather_into_planned_buffers(graph_module.graph) == 0
+    assert gather_buffers(graph_module.graph) == 0
     assert graph_module.print_readable(print_output=False) == before

@@ -1,4 +1,4 @@
-"""regions: keep a sharded block's compile region from saving its unsharded parameters for backward.
+"""compile_regions: keep a sharded block's compile region from saving its unsharded parameters for backward.
 
 [Note: region parameters are saved as inputs]
 With ``settings.compile_regions`` each block's compute is one ``invoke_subgraph``
@@ -15,13 +15,13 @@ Two steps restore resharding:
   region's joint graph before its partition) tags the views through which the region
   reads its parameter arguments, and everything computed from them alone,
   ``MUST_RECOMPUTE``: the region then saves the parameter arguments themselves.
-- ``forward_region_inputs`` (in the suite, on the outer joint graph) points the
+- ``compile_regions`` (in the suite, on the outer joint graph) points the
   backward region at the forward region's *argument* wherever the forward region
   merely returns an argument for it. The saved parameter is then the outer graph's
   all-gather chain, which ``reshard`` tags for recompute, and backward gathers again.
 
 Backends without Inductor's joint pre-pass (``aot_eager``) skip the first step;
-``forward_region_inputs`` then finds a saved parameter view and raises instead of
+``compile_regions`` then finds a saved parameter view and raises instead of
 keeping every block gathered. A custom AOT backend takes the first step by wrapping
 its partitioner: ``aot_autograd(..., partition_fn=with_region_tags(partition_fn))``.
 """
@@ -35,14 +35,11 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compile_shard._region import REGION_PARAM_ANNOTATION
+from compile_shard._annotation import is_region_param_view
 
-from ._graph import invoke_subgraph, region_module
-from .reshard import copy_out_chain
+from ._graph import ac_graph_id, invoke_subgraph, region_module
+from .patterns import copy_out_chain
 from .verify import GraphInvariantError
-
-# A recompute-region id apart from torch.utils.checkpoint's and from ``reshard``'s.
-_AC_GRAPH_ID = 2_000_000
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -58,7 +55,7 @@ def region_parameter_views(graph: fx.Graph) -> list[fx.Node]:
     return [
         node
         for node in graph.nodes
-        if node.meta.get("custom", {}).get(REGION_PARAM_ANNOTATION) and not _is_backward(node)
+        if is_region_param_view(node) and not _is_backward(node)
     ]
 
 
@@ -68,7 +65,7 @@ def tag_region_parameters(graph: fx.Graph) -> int:
     for view in views:
         for node in copy_out_chain(view):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = _AC_GRAPH_ID
+            node.meta["ac_graph_id"] = ac_graph_id("compile_regions")
     return len(views)
 
 
@@ -89,7 +86,7 @@ def _saved_parameter_views(region: fx.GraphModule) -> dict[int, str]:
     return {index: chains[value].format_node() for index, value in enumerate(output.args[0]) if value in chains}
 
 
-def forward_region_inputs(graph: fx.Graph) -> int:
+def compile_regions(graph: fx.Graph) -> int:
     """Points readers of a forward region's output at the region's argument where the output is that argument.
 
     Returns how many uses moved.
@@ -122,7 +119,7 @@ def forward_region_inputs(graph: fx.Graph) -> int:
                     f"compile region {name!r} saves a view of its unsharded parameter for "
                     f"backward ({saved_views[index]}), which keeps every block's gathered parameters alive. "
                     "Compile with the Inductor backend (its joint pre-pass marks the region's parameters), wrap "
-                    "a custom AOT backend's partitioner in compile_shard.passes.regions.with_region_tags, or set "
+                    "a custom AOT backend's partitioner in compile_shard.passes.compile_regions.with_region_tags, or set "
                     "compile_shard.passes.settings.compile_regions = False"
                 )
     return moved

@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from .passes.simulate import Simulation
+from .simulate import Simulation
 
 GRAPH_NAMES = ("forward", "backward")
 # Colors for fully_shard groups, assigned in order of first appearance.

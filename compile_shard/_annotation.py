@@ -1,0 +1,82 @@
+"""What the runtime tells the pass suite through the traced graph.
+
+The runtime and the passes both import this module and nothing of each other's
+(the passes read the runtime's intent from the graph, never from its objects), so
+imports run one way: ``_api`` -> ``passes`` -> this module.
+
+[Note: the group annotation]
+While tracing, a group's all-gather runs under ``torch.fx.traceback.annotate``, and
+AOTAutograd copies that annotation onto every node derived from it, forward and
+backward: the all-gather, its copy-out, the unsharded parameters' views, and their
+gradients up to the reduce-scatter. ``GroupAnnotation`` is that record. It is stored
+in ``node.meta["custom"]`` as a plain dict (torch copies and caches node metadata,
+so it holds only builtin values), written by ``write_group_annotation`` or
+``annotating_group`` and read by ``group_annotation`` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+
+# Keys of ``node.meta["custom"]``.
+GROUP_ANNOTATION = "compile_shard_group"
+#: On the view through which a compile region reads each unsharded parameter argument
+#: ([Note: sharded blocks as nested compile regions]); ``passes.compile_regions`` finds them by it.
+REGION_PARAM_ANNOTATION = "compile_shard_region_param"
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAnnotation:
+    """One group (or one bucket of groups) as the passes see it.
+
+    ``name``: the group's, after the module ``fully_shard`` was called on
+    (``"layers.0"``; the root's is its class name). ``bucket`` merges adjacent groups
+    into one whose name joins theirs (``"layers.0+layers.1"``) and whose ``members``
+    lists them.
+    """
+
+    name: str
+    reshard_after_forward: bool
+    # The groups this annotation stands for: (group,), or a bucket's groups.
+    members: tuple[str, ...]
+    # Every group of the sharded model this group belongs to: a graph that holds only
+    # some of them is part of a model split by a graph break.
+    model_groups: tuple[str, ...]
+    # FSDP2's explicit prefetch lists (``set_modules_to_forward_prefetch`` and backward).
+    forward_prefetch: tuple[str, ...] = ()
+    backward_prefetch: tuple[str, ...] = ()
+
+
+def group_annotation(node: fx.Node) -> GroupAnnotation | None:
+    """The annotation of the group ``node`` belongs to, if any."""
+    stored = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
+    return None if stored is None else GroupAnnotation(**stored)
+
+
+def write_group_annotation(node: fx.Node, annotation: GroupAnnotation) -> None:
+    """Annotates a node a pass created as part of ``annotation``'s group."""
+    node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: dataclasses.asdict(annotation)}
+
+
+@contextlib.contextmanager
+def annotating_group(annotation: GroupAnnotation) -> Iterator[None]:
+    """Annotates every node traced inside the block (the runtime's all-gather)."""
+    with torch.fx.traceback.annotate({GROUP_ANNOTATION: dataclasses.asdict(annotation)}):
+        yield
+
+
+def is_region_param_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a compile region's view of an unsharded parameter argument."""
+    return bool(node.meta.get("custom", {}).get(REGION_PARAM_ANNOTATION))
+
+
+@contextlib.contextmanager
+def annotating_region_params() -> Iterator[None]:
+    """Marks the views a compile region reads its unsharded parameter arguments through."""
+    with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
+        yield
