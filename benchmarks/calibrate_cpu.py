@@ -16,7 +16,7 @@ numbers are averaged:
 - collectives as compile_shard's compiled graphs run them on gloo: the all-gather
   ``fsdp.all_gather_send_recv_`` and the reduce-scatter's exchange
   ``fsdp.all_to_all_into_`` (see [Note: gloo all-gather] and [Note: gloo
-  reduce-scatter] in ``compile_shard/ops.py``), each into a reused output, +
+  reduce-scatter] in ``compile_shard/ops/``), each into a reused output, +
   ``wait_tensor``, at several sizes (4 KiB to 16 MiB), the median call on rank 0,
   then one fit of the cost model's ring formula
   ``t = (W-1) * latency + (W-1)/W * bytes / bandwidth`` over both, weighted by 1/t so

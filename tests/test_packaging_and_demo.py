@@ -19,7 +19,7 @@ def test_wheel_installs_runtime_and_passes_under_one_name(tmp_path):
     top_level = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {name for name in top_level if not name.endswith(".dist-info")} == {"compile_shard"}
     names = zipfile.ZipFile(wheel).namelist()
-    assert "compile_shard/passes/__init__.py" in names and "compile_shard/ops.py" in names
+    assert "compile_shard/passes/__init__.py" in names and "compile_shard/ops/__init__.py" in names
 
 
 def _run_demo(*args: str) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ FSDP2 shows the same deviation. At world size 2 compile_shard is checked to be
 bit-identical to torch FSDP2 on the same wrapping, which is the exactness claim. At 3
 ranks the two add the ranks' gradients in different orders (compile_shard in rank
 order, gloo's ring all-reduce under FSDP2's reduce-scatter in its own; [Note: gloo
-reduce-scatter] in compile_shard/ops.py), so they differ like each differs from the
+reduce-scatter] in compile_shard/ops/), so they differ like each differs from the
 reference.
 """
 

@@ -139,7 +139,7 @@ def test_gloo_collectives_per_step(gloo_report):
     compiled = modes["cs_compiled"]
     assert compiled["collectives"] == compiled["graph_collectives"]
     # The same all-gathers; on gloo each group's reduce-scatter is lowered as an all-to-all
-    # ([Note: gloo reduce-scatter] in compile_shard/ops.py).
+    # ([Note: gloo reduce-scatter] in compile_shard/ops/).
     assert compiled["collectives"] == {"all_gather": 5, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 3}
     assert modes["ddp"]["collectives"]["all_reduce"] >= 1
     assert modes["ddp"]["collectives"]["all_gather"] == modes["ddp"]["collectives"]["reduce_scatter"] == 0

@@ -1,0 +1,60 @@
+"""The ``fsdp`` op library: every collective and storage operation of the runtime.
+
+The runtime (eager and traced) calls these ops and nothing else for sharding, so
+Dynamo records them by name and the pass suite (``compile_shard.passes``) can find,
+rewrite and lower them. Each op has CPU, CUDA and Meta kernels; the differentiable
+ones have autograd formulas, the mutating ones a Functionalize kernel that keeps
+AOTAutograd's functional-graph check satisfied.
+
+One module per job; importing this package registers every op:
+
+- ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
+- ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``;
+- ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
+  ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
+- ``storage``: ``set_``, ``resize_storage_``;
+- ``transport``: the gloo point-to-point exchange the gloo ops share;
+- ``backend``: whether a group uses a ``_c10d_functional`` collective or that exchange;
+- ``checks``: checks several op families share.
+
+An op module holds its ops' schemas, real and Meta kernels and autograd formulas; it
+imports ``transport``, ``backend``, ``checks`` and ``library``, which import no op
+module. Ops of different modules call each other only through ``torch.ops.fsdp``.
+
+[Note: op signatures are rank independent]
+No op takes a rank. A rank argument would make every rank's graph different; the
+collectives take ``world_size`` and a process-group name instead, like
+``_c10d_functional``. Padding is expressed as the per-parameter *padded* shard numel,
+which is the same on every rank.
+"""
+
+from . import transport
+from .all_gather import all_gather_into, all_gather_params_, all_gather_send_recv_
+from .backend import gathers_by_send_recv, reduces_by_all_to_all
+from .reduce_scatter import (
+    all_to_all_grads_,
+    all_to_all_into_,
+    reduce_scatter_grad,
+    reduce_scatter_input,
+    reduce_scatter_input_into_,
+    sum_shards,
+)
+from .storage import resize_storage_, set_
+
+__all__ = [
+    "all_gather_into",
+    "all_gather_params_",
+    "all_gather_send_recv_",
+    "all_to_all_grads_",
+    "all_to_all_into_",
+    "gathers_by_send_recv",
+    "reduce_scatter_grad",
+    "reduce_scatter_input",
+    "reduce_scatter_input_into_",
+    "reduces_by_all_to_all",
+    "sum_shards",
+    "set_",
+    "resize_storage_",
+]
+
+_PACK_BELOW_BYTES = transport._PACK_BELOW_BYTES  # tests/test_ops.py reads it here

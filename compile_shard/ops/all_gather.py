@@ -1,0 +1,172 @@
+"""The all-gather ops: ``all_gather_into`` (a group's unshard, differentiable) and its gloo forms.
+
+``all_gather_send_recv_`` is ``all_gather_into``'s all-gather on gloo
+([Note: gloo all-gather] in ``compile_shard.ops.backend``); ``all_gather_params_``
+replaces a group's copy-in, all-gather and copy-out in gloo's compiled graphs
+([Note: gloo exchange in place] in ``compile_shard.ops.transport``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .backend import gathers_by_send_recv
+from .checks import _check_same_dtype
+from .library import _BACKEND_KEYS, _lib
+from .transport import _Exchange, _padded_flat
+
+_lib.define(
+    "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
+    "str group_name) -> Tensor"
+)
+_lib.define(
+    "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
+    "str group_name) -> ()"
+)
+_lib.define(
+    "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
+    "SymInt world_size, str group_name) -> ()"
+)
+
+
+def _copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> torch.Tensor:
+    """Flattens, pads and concatenates one rank's shards: the all-gather input."""
+    return torch.cat(
+        [F.pad(shard.reshape(-1), (0, numel - shard.numel())) for shard, numel in zip(shards, padded_numels)]
+    )
+
+
+def _check_shards(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> None:
+    torch._check(len(shards) > 0, lambda: "fsdp::all_gather_into needs at least one shard")
+    torch._check(
+        len(shards) == len(padded_numels),
+        lambda: f"fsdp::all_gather_into got {len(shards)} shards but {len(padded_numels)} padded numels",
+    )
+    dtypes = {shard.dtype for shard in shards}
+    torch._check(len(dtypes) == 1, lambda: f"fsdp::all_gather_into needs one dtype, got {sorted(map(str, dtypes))}")
+
+
+# all_gather_into ---------------------------------------------------------------------
+
+
+def _all_gather_into_kernel(shards, padded_numels, world_size, group_name):
+    _check_shards(shards, padded_numels)
+    all_gather_input = _copy_in(shards, padded_numels)
+    funcol = torch.ops._c10d_functional
+    if gathers_by_send_recv(group_name, all_gather_input.device):
+        all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
+        torch.ops.fsdp.all_gather_send_recv_(all_gather_output, all_gather_input, world_size, group_name)
+    else:
+        all_gather_output = funcol.all_gather_into_tensor(all_gather_input, world_size, group_name)
+    return funcol.wait_tensor(all_gather_output)
+
+
+def _all_gather_into_meta(shards, padded_numels, world_size, group_name):
+    _check_shards(shards, padded_numels)
+    return shards[0].new_empty(world_size * sum(padded_numels))
+
+
+def _all_gather_into_setup_context(ctx, inputs, output):
+    shards, padded_numels, world_size, group_name = inputs
+    ctx.shard_shapes = [shard.shape for shard in shards]
+    ctx.padded_numels = padded_numels
+    ctx.world_size = world_size
+    ctx.group_name = group_name
+
+
+def _all_gather_into_backward(ctx, all_gather_output_grad):
+    """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction."""
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
+        all_gather_output_grad.contiguous(), ctx.world_size, ctx.group_name, "avg"
+    )
+    shard_grads = [
+        padded_grad[: shape.numel()].view(shape)
+        for padded_grad, shape in zip(sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes)
+    ]
+    return shard_grads, None, None, None
+
+
+# all_gather_send_recv_ ---------------------------------------------------------------
+
+
+def _all_gather_send_recv_kernel(output, all_gather_input, world_size, group_name):
+    _check_send_recv(all_gather_input, world_size, output)
+    transfers = _Exchange(group_name)
+    transfers.exchange([all_gather_input] * world_size, output.view(world_size, -1))
+    transfers.register(output)
+
+
+def _check_send_recv(all_gather_input, world_size, output) -> None:
+    torch._check(
+        output.numel() == world_size * all_gather_input.numel()
+        and output.is_contiguous()
+        and all_gather_input.is_contiguous(),
+        lambda: (
+            f"fsdp::all_gather_send_recv_: needs a contiguous input and a contiguous output of world_size * "
+            f"{all_gather_input.numel()} elements, got output shape {tuple(output.shape)}"
+        ),
+    )
+    _check_same_dtype("all_gather_send_recv_", output, all_gather_input)
+
+
+def _all_gather_send_recv_meta(output, all_gather_input, world_size, group_name):
+    _check_send_recv(all_gather_input, world_size, output)
+
+
+# all_gather_params_ ------------------------------------------------------------------
+# A group's copy-in, all-gather and copy-out as point-to-point transfers between the
+# sharded and the unsharded parameters ([Note: gloo exchange in place]).
+
+
+def _check_all_gather_params(unsharded_params, shards, padded_numels, world_size) -> None:
+    _check_shards(shards, padded_numels)
+    numel = world_size * sum(padded_numels)
+    torch._check(
+        unsharded_params.dim() == 1 and unsharded_params.numel() == numel and unsharded_params.is_contiguous(),
+        lambda: (
+            f"fsdp::all_gather_params_: needs a contiguous 1-D output of world_size * sum(padded_numels) = "
+            f"{numel} elements, got shape {tuple(unsharded_params.shape)}"
+        ),
+    )
+    for shard, padded_numel in zip(shards, padded_numels):
+        torch._check(
+            shard.numel() <= padded_numel,
+            lambda: (
+                f"fsdp::all_gather_params_: a shard of {shard.numel()} elements exceeds its padded numel "
+                f"{padded_numel}"
+            ),
+        )
+    _check_same_dtype("all_gather_params_", unsharded_params, shards[0])
+
+
+def _all_gather_params_kernel(unsharded_params, shards, padded_numels, world_size, group_name):
+    _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
+    transfers = _Exchange(group_name)
+    unsharded = unsharded_params.split([world_size * padded_numel for padded_numel in padded_numels])
+    for shard, padded_numel, unsharded_param in zip(shards, padded_numels, unsharded):
+        transfers.exchange([_padded_flat(shard, padded_numel)] * world_size, unsharded_param.view(world_size, -1))
+    transfers.register(unsharded_params)
+
+
+def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size, group_name):
+    _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
+
+
+for _key in _BACKEND_KEYS:
+    _lib.impl("all_gather_into", _all_gather_into_kernel, _key)
+    _lib.impl("all_gather_params_", _all_gather_params_kernel, _key)
+    _lib.impl("all_gather_send_recv_", _all_gather_send_recv_kernel, _key)
+_lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
+_lib.impl("all_gather_params_", _all_gather_params_meta, "Meta")
+_lib.impl("all_gather_send_recv_", _all_gather_send_recv_meta, "Meta")
+
+torch.library.register_autograd(
+    "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
+)
+
+all_gather_into = torch.ops.fsdp.all_gather_into.default
+all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
+all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
