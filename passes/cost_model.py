@@ -102,24 +102,27 @@ class HardwareProfile:
 # H100 SXM datasheet peaks (dense); float32 matmuls are assumed to run as TF32.
 _H100_FLOPS = {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12}
 
+
+
+def _h100(name: str, link_bytes_per_s: float, link_latency_s: float, description: str) -> HardwareProfile:
+    """An H100 SXM (datasheet compute and memory) whose collectives run over the given link."""
+    return HardwareProfile(
+        name=name,
+        flops_per_s=_H100_FLOPS,
+        memory_bytes_per_s=3.35e12,
+        kernel_overhead_s=5e-6,
+        link_bytes_per_s=link_bytes_per_s,
+        link_latency_s=link_latency_s,
+        description=description,
+    )
+
+
 PROFILES: dict[str, HardwareProfile] = {
-    "h100_nvlink": HardwareProfile(
-        name="h100_nvlink",
-        flops_per_s=_H100_FLOPS,
-        memory_bytes_per_s=3.35e12,
-        kernel_overhead_s=5e-6,
-        link_bytes_per_s=370e9,
-        link_latency_s=10e-6,
-        description="8x H100 SXM in one node, collectives over NVLink (effective NCCL bus bandwidth)",
+    "h100_nvlink": _h100(
+        "h100_nvlink", 370e9, 10e-6, "8x H100 SXM in one node, collectives over NVLink (effective NCCL bus bandwidth)"
     ),
-    "h100_ib400": HardwareProfile(
-        name="h100_ib400",
-        flops_per_s=_H100_FLOPS,
-        memory_bytes_per_s=3.35e12,
-        kernel_overhead_s=5e-6,
-        link_bytes_per_s=45e9,
-        link_latency_s=20e-6,
-        description="H100 SXM, collectives across nodes over 400 Gb/s InfiniBand (effective bus bandwidth)",
+    "h100_ib400": _h100(
+        "h100_ib400", 45e9, 20e-6, "H100 SXM, collectives across nodes over 400 Gb/s InfiniBand (effective bus bandwidth)"
     ),
     "cpu_gloo": HardwareProfile.from_json(json.loads(CPU_GLOO_PATH.read_text())),
 }

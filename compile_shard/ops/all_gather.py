@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .backend import gathers_by_send_recv
 from .checks import _check_same_dtype
-from .library import _BACKEND_KEYS, _lib
+from .library import _lib, register_kernels
 from .transport import _Exchange, _padded_flat
 
 _lib.define(
@@ -155,13 +155,9 @@ def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size,
     _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
 
 
-for _key in _BACKEND_KEYS:
-    _lib.impl("all_gather_into", _all_gather_into_kernel, _key)
-    _lib.impl("all_gather_params_", _all_gather_params_kernel, _key)
-    _lib.impl("all_gather_send_recv_", _all_gather_send_recv_kernel, _key)
-_lib.impl("all_gather_into", _all_gather_into_meta, "Meta")
-_lib.impl("all_gather_params_", _all_gather_params_meta, "Meta")
-_lib.impl("all_gather_send_recv_", _all_gather_send_recv_meta, "Meta")
+register_kernels("all_gather_into", _all_gather_into_kernel, _all_gather_into_meta)
+register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_params_meta)
+register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
 
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib

@@ -17,7 +17,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .._layout import padded_rows
 from .backend import reduces_by_all_to_all
 from .checks import _check_same_dtype
-from .library import _BACKEND_KEYS, _lib
+from .library import _lib, register_kernels
 from .transport import _Exchange, _padded_flat
 
 _lib.define(
@@ -227,19 +227,12 @@ def _sum_shards_meta(received, world_size, reduce_op="avg"):
     return received.new_empty(received.numel() // world_size)
 
 
-for _key in _BACKEND_KEYS:
-    _lib.impl("all_to_all_grads_", _all_to_all_grads_kernel, _key)
-    _lib.impl("all_to_all_into_", _all_to_all_into_kernel, _key)
-    _lib.impl("reduce_scatter_grad", _reduce_scatter_grad_kernel, _key)
-    _lib.impl("reduce_scatter_input", _reduce_scatter_input_kernel, _key)
-    _lib.impl("reduce_scatter_input_into_", _reduce_scatter_input_into_kernel, _key)
-    _lib.impl("sum_shards", _sum_shards_kernel, _key)
-_lib.impl("all_to_all_grads_", _all_to_all_grads_meta, "Meta")
-_lib.impl("all_to_all_into_", _all_to_all_into_meta, "Meta")
-_lib.impl("reduce_scatter_grad", _reduce_scatter_grad_meta, "Meta")
-_lib.impl("reduce_scatter_input", _reduce_scatter_input_meta, "Meta")
-_lib.impl("reduce_scatter_input_into_", _reduce_scatter_input_into_meta, "Meta")
-_lib.impl("sum_shards", _sum_shards_meta, "Meta")
+register_kernels("all_to_all_grads_", _all_to_all_grads_kernel, _all_to_all_grads_meta)
+register_kernels("all_to_all_into_", _all_to_all_into_kernel, _all_to_all_into_meta)
+register_kernels("reduce_scatter_grad", _reduce_scatter_grad_kernel, _reduce_scatter_grad_meta)
+register_kernels("reduce_scatter_input", _reduce_scatter_input_kernel, _reduce_scatter_input_meta)
+register_kernels("reduce_scatter_input_into_", _reduce_scatter_input_into_kernel, _reduce_scatter_input_into_meta)
+register_kernels("sum_shards", _sum_shards_kernel, _sum_shards_meta)
 
 torch.library.register_autograd(
     "fsdp::reduce_scatter_grad",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .library import _BACKEND_KEYS, _lib
+from .library import _lib, register_kernels
 
 _lib.define("set_(Tensor(a!) tensor, Tensor source) -> ()")
 # [Note: resize_storage_ schema]
@@ -52,11 +52,8 @@ def _resize_storage_functionalize(tensor, nbytes):
         torch.ops.fsdp.resize_storage_.default(inner, nbytes)
 
 
-for _key in _BACKEND_KEYS:
-    _lib.impl("set_", _set_kernel, _key)
-    _lib.impl("resize_storage_", _resize_storage_kernel, _key)
-_lib.impl("set_", _set_kernel, "Meta")
-_lib.impl("resize_storage_", _resize_storage_meta, "Meta")
+register_kernels("set_", _set_kernel, _set_kernel)
+register_kernels("resize_storage_", _resize_storage_kernel, _resize_storage_meta)
 _lib.impl("set_", _set_functionalize, "Functionalize")
 _lib.impl("resize_storage_", _resize_storage_functionalize, "Functionalize")
 
