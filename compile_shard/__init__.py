@@ -1,7 +1,27 @@
 """compile_shard: FSDP2-style fully sharded data parallel that torch.compile captures whole."""
 
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+
 from . import ops
 from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
 
-__all__ = ["FSDPModule", "RegionInlinedWarning", "fully_shard", "ops"]
+# torch's own MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, register_fsdp_forward_method
+# and share_comm_ctx: they work on compile_shard's modules, which are torch FSDPModules.
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "RegionInlinedWarning",
+    "UnshardHandle",
+    "fully_shard",
+    "ops",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten
 
 from ._group import FSDPParamGroup
@@ -39,6 +43,7 @@ class FSDPState:
         self.is_root = True
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
+        self._shown_by_method: list[list[FSDPParamGroup]] = []
         # For [Note: sharded blocks as nested compile regions]: the modules of a
         # module whose subtree holds no other fully_shard module, else empty.
         self.region_modules: list[nn.Module] = []
@@ -73,6 +78,33 @@ class FSDPState:
             if state.group is not None:
                 state.group.model_groups = model_groups
 
+    # What torch's own helpers read from an FSDP2 state ----------------------------------
+    # ``register_fsdp_forward_method`` wraps a method in ``_pre_forward`` / ``_post_forward``;
+    # ``share_comm_ctx`` shares ``_comm_ctx`` between roots (compile_shard issues every
+    # collective on the current stream, so there are no streams to share).
+
+    _comm_ctx = None
+
+    @property
+    def _fsdp_param_groups(self) -> list[FSDPParamGroup]:
+        return [] if self.group is None else [self.group]
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        shown, args, kwargs = self.pre_forward(args, kwargs)
+        self._shown_by_method.append(shown)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.post_forward(output, self._shown_by_method.pop())
+
+    def reset_iter_state(self) -> None:
+        """Forgets an iteration that raised: every group resharded and idle, no callback queued."""
+        self._final_callback_queued = False
+        for state in self.subtree_states:
+            state._shown_by_method.clear()
+            if state.group is not None:
+                state.group.reset_iter_state()
+
     def group_for_prefetch(self, knob: str) -> FSDPParamGroup:
         if self.group is None:
             raise ValueError(f"{knob}: {_label(self.module)} has no parameters of its own to prefetch after")
@@ -100,8 +132,8 @@ class FSDPState:
             and not runs_inlined_after_restart(self.module)
         )
 
-    def pre_forward(self) -> list[FSDPParamGroup]:
-        """Unshards before the module's forward; returns the groups a trace showed."""
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
+        """Unshards before the module's forward; returns the groups a trace showed and the inputs."""
         if self.is_root:
             device_type = self.mesh.device_type  # read once: in a trace, each read is traced anew
             for state in self.subtree_states:
@@ -112,10 +144,11 @@ class FSDPState:
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
             groups = [state.group for state in self.subtree_states if state.group is not None]
-            return [group for group in groups if group.show_traced_unsharded_params()]
+            return [group for group in groups if group.show_traced_unsharded_params()], args, kwargs
         if self.group is not None:
             self.group.pre_forward()
-        return []
+            args, kwargs = self.group.register_post_backward_on_inputs(args, kwargs)
+        return [], args, kwargs
 
     def post_forward(self, output: Any, shown: list[FSDPParamGroup]) -> Any:
         for group in shown:
@@ -161,8 +194,13 @@ def _get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-class FSDPModule:
+class FSDPModule(TorchFSDPModule):
     """Mixed into the class of every module passed to :func:`fully_shard`.
+
+    A subclass of torch's ``FSDPModule``, so that code which finds FSDP2 modules with
+    ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` finds these too. Every method
+    of torch's class is overridden here: each runs on compile_shard's state, or raises
+    ``NotImplementedError`` saying why (docs/api.md lists them all).
 
     [Note: forward wrapper instead of hooks]
     FSDP2 unshards in a forward pre-hook. compile_shard wraps ``forward`` instead:
@@ -172,9 +210,19 @@ class FSDPModule:
     forward graph, and behaves the same in eager mode.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Building a sharded module's class anew (a container's slice) builds the user's class.
+
+        Without arguments it is ``copy`` or ``pickle`` allocating the object whose
+        state they fill next (``copy.deepcopy`` of a sharded model): that keeps the class.
+        """
+        if not args and not kwargs:
+            return object.__new__(cls)
+        return _user_class(cls)(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        state = self._fsdp_state()
-        shown = state.pre_forward()
+        state = self._get_fsdp_state()
+        shown, args, kwargs = state.pre_forward(args, kwargs)
         if state.compiles_as_region(args, kwargs):
             output = call_in_region(cast(nn.Module, self), args, kwargs)
         else:
@@ -185,24 +233,133 @@ class FSDPModule:
         """The forward of the user's class, which the region calls."""
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
-    def _fsdp_state(self) -> FSDPState:
+    def _get_fsdp_state(self) -> FSDPState:
         return cast(FSDPState, _get_state(cast(nn.Module, self)))
 
-    def unshard(self) -> None:
+    def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
+        modules = cast(nn.Module, self).modules() if recurse else [self]
+        return [module for module in modules if isinstance(module, FSDPModule)]
+
+    def _groups(self, recurse: bool = False) -> list[FSDPParamGroup]:
+        states = (module._get_fsdp_state() for module in self._fsdp_modules(recurse))
+        return [state.group for state in states if state.group is not None]
+
+    # Unshard and reshard ---------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gathers this module's parameters now and registers the unsharded tensors.
 
         A later forward uses them without another all-gather. Call it with the grad
         mode the forward will use: the all-gather is part of the autograd graph.
+        The all-gather has completed when this returns, so with ``async_op=True``
+        the returned handle's ``wait()`` has nothing left to wait for.
         """
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._groups():
             group.unshard()
+        return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
-        """Frees this module's unsharded parameters and registers the sharded ones."""
-        group = self._fsdp_state().group
-        if group is not None:
+        """Frees this module's unsharded parameters and registers the sharded ones (not recursive)."""
+        for group in self._groups():
             group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: reshards every group and forgets the iteration (FSDP2's recovery).
+
+        Call it on the root. Gradients of the failed iteration that were not reduced
+        yet are lost, as in FSDP2.
+        """
+        state = self._get_fsdp_state()
+        if not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state: {_label(cast(nn.Module, self))} is not the root fully_shard module; "
+                "call it on the module fully_shard was applied to last (the model)"
+            )
+        state.reset_iter_state()
+
+    # Training-loop settings ------------------------------------------------------------
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Sets whether the unsharded parameters are freed after forward (and re-gathered in backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for module in self._fsdp_modules(recurse):
+            state = module._get_fsdp_state()
+            state.reshard_after_forward = reshard_after_forward
+            if state.group is not None:
+                state.group.reshard_after_forward = state.resolved_reshard_after_forward()
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Only ``True`` (the default): the unsharded parameters are always freed after backward."""
+        if reshard_after_backward is not True:
+            raise NotImplementedError(
+                "set_reshard_after_backward(False): compile_shard frees the unsharded parameters after every "
+                "backward, and the next forward gathers them again. Keeping them across gradient-accumulation "
+                "micro-batches is not supported yet; use set_requires_gradient_sync(False) to skip the "
+                "reduce-scatters instead"
+            )
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Sets whether backward reduce-scatters the gradients (FSDP1's ``no_sync``), eager and compiled.
+
+        While False, each backward adds the unsharded gradients into a buffer per group
+        (FSDP2's memory cost: one unsharded gradient per group, allocated here) and
+        leaves ``.grad`` alone; the next backward with sync on adds the buffer to its
+        gradients and reduce-scatters once. A compiled model keeps one graph per
+        setting ([Note: gradient accumulation without sync] in compile_shard.ops).
+        """
+        for module in self._fsdp_modules(recurse):
+            group = module._get_fsdp_state().group
+            if group is not None:
+                group.set_requires_gradient_sync(bool(requires_gradient_sync))
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce switch: a 1-D mesh has no all-reduce, so any value means what it does in FSDP2."""
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted (FSDP2's knob): every backward here finishes its reductions before it returns.
+
+        FSDP2 uses it to skip waiting on reduce-scatters at the end of non-last
+        micro-batches; compile_shard's reductions complete inside backward, so there is
+        nothing to skip and nothing to wait for.
+        """
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Only ``True`` (the default): a group's backward refills its unsharded parameters."""
+        if unshard_in_backward is not True:
+            raise NotImplementedError(
+                "set_unshard_in_backward(False) is not supported yet: backward always gathers the parameters "
+                "again where it needs them (compiled graphs gather only what backward reads)"
+            )
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divides this module's reduced gradients by ``factor`` instead of the world size (not recursive).
+
+        FSDP2's semantics (``compile_shard._group.GradientReduction``). Set it before
+        compiling or between steps: a compiled model recompiles for a new factor.
+        """
+        for group in self._groups():
+            group.set_gradient_reduction(float(factor), group.force_sum_reduction_for_comms)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's deprecated name for :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduces this module's gradients with a sum and divides after it (not recursive; FSDP2's semantics)."""
+        for group in self._groups():
+            group.set_gradient_reduction(group.gradient_divide_factor, bool(enable))
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Only ``True``: a group's reduce-scatter always carries zeros for parameters the forward left unused."""
+        if reduce_scatter_unused_params is not True:
+            raise NotImplementedError(
+                "set_reduce_scatter_unused_params(False): compile_shard reduce-scatters a group's gradients as "
+                "one buffer, with zeros for the parameters the forward did not use, so they get a zero "
+                "gradient where FSDP2's default leaves .grad None"
+            )
+
+    # Prefetching -----------------------------------------------------------------------
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gathers ``modules``' parameters when this module's forward starts (FSDP2's knob).
@@ -211,35 +368,76 @@ class FSDPModule:
         the ``reorder`` pass issues them no later than this module's wait. Set it
         before compiling: the lists are read when the model is traced.
         """
-        self._fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch").forward_prefetch = (
+        self._get_fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch").forward_prefetch = (
             _prefetch_groups(modules, "set_modules_to_forward_prefetch")
         )
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Re-gathers ``modules``' parameters when this module's backward starts (FSDP2's knob)."""
-        self._fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch").backward_prefetch = (
+        self._get_fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch").backward_prefetch = (
             _prefetch_groups(modules, "set_modules_to_backward_prefetch")
+        )
+
+    # Streams, buffers and communication backends ---------------------------------------
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accepted (FSDP2's knob): the all-gathers here run on the current stream, after the optimizer step."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Validated and accepted: reduce-scatter inputs here are planned by Inductor or freed at once in eager."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Only ``False``: the collectives' buffers come from torch's allocator (Inductor plans them when compiled)."""
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): compile_shard allocates collective "
+                "buffers as ordinary tensors, planned by Inductor in compiled graphs"
+            )
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_all_gather: compile_shard's all-gather is the registered op fsdp::all_gather_into, "
+            "which the pass suite lowers and schedules; a custom comm object cannot be traced into it"
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: compile_shard's reduce-scatter is the registered op "
+            "fsdp::reduce_scatter_grad, which the pass suite lowers and schedules; a custom comm object "
+            "cannot be traced into it"
+        )
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        raise NotImplementedError(
+            "set_all_reduce_hook is not supported yet: the reduced gradient is not exposed before it lands in "
+            "the sharded parameters' .grad; a post-accumulate-grad hook on the sharded parameters sees it there"
+        )
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        raise NotImplementedError(
+            "set_separate_reduce_scatter_group: compile_shard runs every collective of a group on the mesh's "
+            "process group; a second process group for reduce-scatters is not supported"
+        )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: symmetric-memory all-gathers need NCCL on CUDA, and compile_shard's "
+            "collectives do not use them"
         )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         """``module.to(...)``, ``to_empty(...)``: re-pads shards whose storage was replaced."""
         self.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        group = self._fsdp_state().group
+        group = self._get_fsdp_state().group
         if group is not None:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
         return result
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Sets whether the unsharded parameters are freed after forward (and re-gathered in backward)."""
-        modules = cast(nn.Module, self).modules() if recurse else [self]
-        for module in modules:
-            state = _get_state(module)
-            if state is not None:
-                state.reshard_after_forward = reshard_after_forward
-                if state.group is not None:
-                    state.group.reshard_after_forward = state.resolved_reshard_after_forward()
 
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -251,10 +449,16 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
+def _user_class(cls: type) -> type:
+    """The class the user built, behind the classes fully_shard swapped in."""
+    if issubclass(cls, FSDPModule):
+        cls = cls.__bases__[1]
+    return getattr(cls, "_compile_shard_base", None) or cls
+
+
 def _label(module: nn.Module) -> str:
     """The user's class name, also for a module whose class fully_shard swapped."""
-    cls = type(module)
-    return (cls.__bases__[1] if issubclass(cls, FSDPModule) else cls).__name__
+    return _user_class(type(module)).__name__
 
 
 def _default_mesh() -> DeviceMesh:
@@ -267,8 +471,8 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[ParamUsage]]:
-    """Parameters registered in ``module``'s subtree, minus subtrees already sharded."""
+def _managed_params(module: nn.Module, ignored: set[int]) -> dict[nn.Parameter, list[ParamUsage]]:
+    """Parameters registered in ``module``'s subtree, minus subtrees already sharded and ``ignored``."""
     sharded_below = {
         id(tensor)
         for submodule in module.modules()
@@ -280,7 +484,7 @@ def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[ParamUsage]]:
 
     def visit(submodule: nn.Module, prefix: str) -> None:
         for name, param in submodule._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             if id(param) in sharded_below:
                 raise ValueError(
@@ -295,6 +499,63 @@ def _managed_params(module: nn.Module) -> dict[nn.Parameter, list[ParamUsage]]:
 
     visit(module, "")
     return usages
+
+
+def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Refuses a mesh that would leave data-parallel ranks without gradient synchronisation.
+
+    HSDP is not supported yet, and its obvious workaround is silently wrong: sharding
+    over ``mesh["shard"]`` of a (replicate, shard) mesh reduces gradients within each
+    replica only, and with a shard dim of size 1 not at all.
+    """
+    label = _label(module)
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard({label}): expected a 1-D DeviceMesh, got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
+            f"{mesh.mesh_dim_names}. HSDP (replicate, shard) is not supported yet. To shard over every "
+            "data-parallel rank, pass a 1-D mesh over all of them, e.g. init_device_mesh(device_type, "
+            "(world_size,))"
+        )
+    root = mesh._get_root_mesh()
+    if root is mesh or root.size() == mesh.size():
+        return
+    others = [name for name in root.mesh_dim_names or () if name not in (mesh.mesh_dim_names or ())]
+    if mesh.size() == 1 or any("replicate" in name for name in others):
+        raise ValueError(
+            f"fully_shard({label}): the mesh {mesh.mesh_dim_names} of size {mesh.size()} is a slice of the "
+            f"{tuple(root.shape)} mesh {root.mesh_dim_names}; gradients would be reduced within it only, never "
+            f"across {others}, so replicas would train apart. HSDP is not supported yet: pass a 1-D mesh over "
+            "every data-parallel rank instead"
+        )
+
+
+def _check_unsupported_arguments(module, mp_policy, offload_policy, dp_mesh_dims) -> None:
+    label = _label(module)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard({label}): mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy)}")
+    dtypes = {param.dtype for param in module.parameters()}
+    for field in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and dtypes - {dtype}:
+            raise NotImplementedError(
+                f"fully_shard({label}): mp_policy.{field}={dtype} differs from the parameters' dtype "
+                f"{sorted(map(str, dtypes))}; mixed precision is not supported yet. Pass MixedPrecisionPolicy() "
+                "(or the parameters' own dtype), or use torch.autocast around the forward"
+            )
+    if mp_policy.output_dtype is not None:
+        raise NotImplementedError(
+            f"fully_shard({label}): mp_policy.output_dtype is not supported yet; cast the module's output instead"
+        )
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"fully_shard({label}): {type(offload_policy).__name__} (CPU offload) is not supported yet; "
+            "pass OffloadPolicy() or leave offload_policy out"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard({label}): dp_mesh_dims (a data-parallel part of a larger mesh) is not supported yet; "
+            "pass the 1-D data-parallel mesh"
+        )
 
 
 def _check_one_dtype(module: nn.Module, named: dict[str, nn.Parameter]) -> None:
@@ -315,6 +576,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> FSDPModule:
     """Shards ``module``'s parameters on dim 0 across ``mesh`` (FSDP2 semantics).
 
@@ -322,8 +588,17 @@ def fully_shard(
     group: one all-gather before the module's forward, one reduce-scatter of its
     gradients in backward. ``reshard_after_forward`` frees the unsharded parameters
     after forward and gathers them again before backward; ``None`` (the default)
-    means True except for the root module, as in FSDP2.
+    means True except for the root module, as in FSDP2. ``ignored_params`` stay
+    plain, unsharded parameters whose gradients are not reduced. The other arguments
+    take FSDP2's values where they mean what compile_shard already does (for example
+    the default ``MixedPrecisionPolicy()``) and raise ``NotImplementedError`` otherwise.
     """
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(
+            "fully_shard([module, ...]): one group over several modules is not supported yet; apply "
+            "fully_shard to each module, or to a common parent module"
+        )
+    _check_unsupported_arguments(module, mp_policy, offload_policy, dp_mesh_dims)
     if _get_state(module) is not None:
         raise ValueError(
             f"fully_shard was already applied to this {_label(module)}; apply it once per module "
@@ -335,13 +610,8 @@ def fully_shard(
             f"{reshard_after_forward!r} (resharding to a smaller world is not supported yet)"
         )
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"fully_shard({_label(module)}): expected a 1-D DeviceMesh, got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)}. HSDP on a 2-D mesh is not supported yet; pass mesh[dim_name] for the "
-            "data-parallel dimension"
-        )
-    usages = _managed_params(module)
+    _check_mesh(module, mesh)
+    usages = _managed_params(module, {id(param) for param in ignored_params or ()})
     fqn_of = {id(param): fqn for fqn, param in module.named_parameters()}
     named = {fqn_of[id(param)]: param for param in usages}
     for fqn, param in named.items():
@@ -352,6 +622,13 @@ def fully_shard(
                 "on meta and materialize it later) before fully_shard"
             )
     _check_one_dtype(module, named)
+    for fqn, param in named.items():
+        placement = None if shard_placement_fn is None else shard_placement_fn(param)
+        if placement is not None and placement != Shard(0):
+            raise NotImplementedError(
+                f"fully_shard({_label(module)}): shard_placement_fn gave {placement} for {fqn!r}; compile_shard "
+                "shards every parameter on dim 0 (return Shard(0) or None)"
+            )
     group = None
     if usages:
         fsdp_params = [

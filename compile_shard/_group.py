@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
 from ._annotation import GroupAnnotation, annotating_group
@@ -18,6 +19,39 @@ from ._param import FSDPParam
 def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
     """``padded``'s first ``rows`` rows; ``padded`` itself where it has no others (no slice node in a trace)."""
     return padded if padded.size(0) == rows else padded[:rows]
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How a group's gradients are reduced: FSDP2's reduce op and divide factors, for fp32 gradients.
+
+    The default averages over the process group. ``FSDPModule.set_gradient_divide_factor(f)``
+    divides the sum by ``f`` instead: as one average when ``f`` is the world size, else by
+    multiplying each rank's gradient by ``1 / f`` before the sum (FSDP2's
+    ``PREMUL_SUM``, which gloo lacks: torch FSDP2 raises there, compile_shard does not).
+    ``set_force_sum_reduction_for_comms(True)`` makes the collective a plain sum and
+    divides its output by ``f`` (default: the world size) after it, skipping a division
+    by 1.
+    """
+
+    reduce_op: str = "avg"
+    premul_factor: float = 1.0
+    postdivide_factor: float = 1.0
+
+    @staticmethod
+    def choose(world_size: int, divide_factor: float | None, force_sum: bool) -> GradientReduction:
+        if force_sum:
+            return GradientReduction("sum", postdivide_factor=float(world_size if divide_factor is None else divide_factor))
+        if divide_factor is None or divide_factor == world_size:
+            return GradientReduction()
+        return GradientReduction("sum", premul_factor=1.0 / divide_factor)
+
+    def op_args(self) -> tuple:
+        """``fsdp::all_gather_into``'s reduction arguments: none for the default, so graphs show none."""
+        return () if self == GradientReduction() else self.all_op_args()
+
+    def all_op_args(self) -> tuple:
+        return (self.reduce_op, self.premul_factor, self.postdivide_factor)
 
 
 class TrainingState(enum.Enum):
@@ -70,6 +104,20 @@ class UnshardedParams:
         return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.tensors}.values())
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs the module's post-backward callback."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
 class FSDPParamGroup:
     """The parameters of one ``fully_shard`` call: one all-gather, one reduce-scatter."""
 
@@ -89,6 +137,16 @@ class FSDPParamGroup:
         self.unsharded_shapes = [fsdp_param.unsharded_shape for fsdp_param in fsdp_params]
         self.group_name = mesh.get_group().group_name
         self.reshard_after_forward = reshard_after_forward
+        # FSDP2's knobs for the gradient reduction (set_gradient_divide_factor and
+        # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False
+        self.gradient_reduction = GradientReduction()
+        # FSDP2's set_requires_gradient_sync: while False, backward adds the unsharded
+        # gradients into ``accumulated_grad`` instead of reducing them
+        # ([Note: gradient accumulation without sync] in compile_shard.ops).
+        self.requires_gradient_sync = True
+        self.accumulated_grad: torch.Tensor | None = None
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -99,12 +157,44 @@ class FSDPParamGroup:
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Allocates the accumulation buffer here, in eager Python, so that a trace only reads it."""
+        self.requires_gradient_sync = requires_gradient_sync
+        if not requires_gradient_sync and self.accumulated_grad is None and self._takes_gradients():
+            shard = self.fsdp_params[0].shard
+            self.accumulated_grad = shard.new_zeros(self.world_size * sum(self.padded_numels))
+
+    def _takes_gradients(self) -> bool:
+        return any(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
+
+    def _reduction_args(self) -> tuple:
+        """``fsdp::all_gather_into``'s trailing arguments: how its backward treats the gradients.
+
+        A gathering with gradients takes the accumulated gradient with it (the group
+        forgets it: the backward that receives it reduces it); one without gradients
+        (an evaluation forward, a refill) leaves it for the next.
+        """
+        reduction = self.gradient_reduction
+        if self.accumulated_grad is None or not torch.is_grad_enabled() or not self._takes_gradients():
+            return reduction.op_args()
+        if not self.requires_gradient_sync:
+            return (*reduction.all_op_args(), self.accumulated_grad, False)
+        accumulated_grad, self.accumulated_grad = self.accumulated_grad, None
+        return (*reduction.all_op_args(), accumulated_grad)
+
+    def set_gradient_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
+        self.gradient_divide_factor = divide_factor
+        self.force_sum_reduction_for_comms = force_sum
+        self.gradient_reduction = GradientReduction.choose(self.world_size, divide_factor, force_sum)
+
     # Collectives ------------------------------------------------------------------
 
     def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """All-gathers the group and copies out one tensor per parameter."""
         shards = [fsdp_param.all_gather_shard() for fsdp_param in self.fsdp_params]
-        all_gather_output = ops.all_gather_into(shards, self.padded_numels, self.world_size, self.group_name)
+        all_gather_output = ops.all_gather_into(
+            shards, self.padded_numels, self.world_size, self.group_name, *self._reduction_args()
+        )
         per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [
             _unpadded(chunk.reshape(-1, *shape[1:]), shape[0]) for chunk, shape in zip(per_rank, self.unsharded_shapes)
@@ -206,8 +296,7 @@ class FSDPParamGroup:
         unsharded = self.unsharded
         if unsharded is None:
             return output
-        if unsharded.all_gather_node is not None:
-            self._register_pre_backward(output, unsharded)
+        self._register_pre_backward(output, unsharded)
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
         if self.reshard_after_forward:
@@ -222,6 +311,36 @@ class FSDPParamGroup:
         for tensor in tree_flatten(output)[0]:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(hook)
+
+    def register_post_backward_on_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """For a group that takes no gradient: frees its parameters once backward reaches the module's inputs.
+
+        [Note: post-backward of a frozen group]
+        A group whose parameters all have ``requires_grad=False`` gathers them
+        detached: its all-gather has no autograd node to hook, yet backward still
+        runs through the module (for its inputs' gradients) and needs the unsharded
+        parameters refilled (pre-backward, on the outputs) and freed after. FSDP2's
+        answer, used here too: an identity autograd function on the inputs, whose
+        backward runs once the module's backward has produced their gradients. A
+        module whose inputs take no gradient has no backward to run; the root's final
+        callback reshards anything left (``finalize_backward``).
+        """
+        unsharded = self.unsharded
+        if (
+            unsharded is None
+            or unsharded.all_gather_node is not None
+            or self.training_state is not TrainingState.FORWARD
+            or not torch.is_grad_enabled()
+        ):
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return args, kwargs
+        wrapped = _PostBackward.apply(lambda: self.post_backward(unsharded), *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
 
     def _register_post_backward(self, unsharded: UnshardedParams) -> None:
         def hook(grad_inputs, grad_outputs):
@@ -263,6 +382,10 @@ class FSDPParamGroup:
             self.unsharded = None
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
+        self.training_state = TrainingState.IDLE
+
+    def reset_iter_state(self) -> None:
+        self.reshard()
         self.training_state = TrainingState.IDLE
 
     def finalize_backward(self) -> None:

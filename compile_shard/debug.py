@@ -19,7 +19,18 @@ class CollectiveCounter(TorchDispatchMode):
 
     Sees compile_shard's ``fsdp`` ops and torch's own c10d ops alike, so the same
     counter measures compile_shard and torch FSDP2 on the same model.
+
+    Around a compiled model it counts what the compiled graphs run and leaves
+    compilation alone (``ignore_compile_internals``): torch.compile would otherwise
+    run every frame eagerly while a dispatch mode is active, and compile it again
+    once the mode is gone. The compiled graphs hold the lowered collectives, so on
+    gloo a compiled reduce-scatter counts as an ``all_to_all`` ([Note: gloo
+    reduce-scatter] in compile_shard.ops).
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self) -> None:
         super().__init__()

@@ -53,7 +53,7 @@ def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | No
 
 def _bucket_key(all_gather: fx.Node) -> tuple:
     """Groups can share a collective only on the same process group, dtype and resharding policy."""
-    _, _, world_size, group_name = all_gather.args
+    world_size, group_name = all_gather.args[2:4]
     annotation = group_annotation(all_gather)
     return world_size, group_name, all_gather.meta["val"].dtype, annotation.reshard_after_forward
 
@@ -110,7 +110,7 @@ def _annotate(nodes: list[fx.Node], annotation: GroupAnnotation) -> None:
 
 def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnnotation) -> None:
     first = gathers[0]
-    _, _, world_size, group_name = first.args
+    world_size, group_name = first.args[2:4]
     shards = [shard for node in gathers for shard in node.args[0]]
     padded_numels = [numel for node in gathers for numel in node.args[1]]
     insert = NodeInserter(graph, first, first)

@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 
 def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
-    shards, padded_numels, world_size, group_name = node.args
+    shards, padded_numels, world_size, group_name = node.args[:4]
     insert = NodeInserter(graph, node, node)
     padded = []
     for shard, padded_numel in zip(shards, padded_numels):

@@ -32,7 +32,7 @@ def test_tied_parameter_is_sharded_once(fake_pg):
     assert model.output.weight is model.tok_embeddings.weight
     names = [name for name, _ in model.named_parameters()]
     assert "output.weight" not in names and "tok_embeddings.weight" in names
-    root_group = model._fsdp_state().group
+    root_group = model._get_fsdp_state().group
     tied = [p for p in root_group.fsdp_params if p.fqn == "tok_embeddings.weight"]
     assert len(tied) == 1 and len(tied[0].usages) == 2
 
@@ -103,7 +103,7 @@ def test_forward_prefetch_gathers_the_listed_blocks_when_the_first_starts(fake_p
 
     def record(module, args):
         for index, block in enumerate(model.layers):
-            unsharded_while_block0_runs[index] = block._fsdp_state().group.unsharded is not None
+            unsharded_while_block0_runs[index] = block._get_fsdp_state().group.unsharded is not None
 
     model.layers[0].attention_norm.register_forward_pre_hook(record)
     with CollectiveCounter() as counter:
@@ -115,7 +115,7 @@ def test_forward_prefetch_gathers_the_listed_blocks_when_the_first_starts(fake_p
 def test_backward_prefetch_refills_the_listed_block_when_the_first_starts_backward(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=3))
     model.layers[2].set_modules_to_backward_prefetch([model.layers[0]])
-    block0 = model.layers[0]._fsdp_state().group
+    block0 = model.layers[0]._get_fsdp_state().group
     seen = []
 
     def record(grad):
@@ -125,7 +125,7 @@ def test_backward_prefetch_refills_the_listed_block_when_the_first_starts_backwa
 
     loss = lm_loss(model, torch.randint(0, 1001, (2, 9)))
     # Runs when block 2's gradients are reduced, after its pre-backward: block 0 is refilled by then.
-    model.layers[2]._fsdp_state().group.fsdp_params[0].shard.register_hook(record)
+    model.layers[2]._get_fsdp_state().group.fsdp_params[0].shard.register_hook(record)
     with CollectiveCounter() as counter:
         loss.backward()
     assert seen == [True]

@@ -1,12 +1,15 @@
-"""Graph dumps and the graph printer users read them with."""
+"""Graph dumps, the graph printer users read them with, and the collective counter."""
 
 import torch
 import torch._dynamo
 import torch.nn as nn
 
+from torch._dynamo.utils import counters
+
 from compile_shard import fully_shard
-from compile_shard.debug import dump_graphs, format_graph, recompiles
-from dist_utils import FakeProcessGroup
+from compile_shard.debug import CollectiveCounter, dump_graphs, format_graph, recompiles
+from compile_shard.models import LlamaConfig
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
 from graph_utils import CapturingBackend, trace
 
 
@@ -108,3 +111,19 @@ def test_recompiles_counts_dynamo_recompilations():
     double(torch.randn(2, 2))  # another rank: a guard fails, Dynamo compiles again
     assert recompiles() == 1
     torch._dynamo.reset()
+
+
+def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(fresh_dynamo):
+    """The counter sees the compiled graphs' collectives; compiling inside it or after it is the same."""
+    with FakeProcessGroup(2):
+        model, _ = build_sharded_llama(LlamaConfig())
+        tokens = torch.randint(0, 1001, (1, 9))
+        with CollectiveCounter() as eager:
+            lm_loss(model, tokens).backward()
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(2):  # the first call compiles inside the counter
+            with CollectiveCounter() as counter:
+                lm_loss(compiled, tokens).backward()
+            assert counter.counts == eager.counts
+        lm_loss(compiled, tokens).backward()
+    assert recompiles() == 0 and not counters["graph_break"]

@@ -60,8 +60,21 @@ def test_parameters_on_a_device_the_mesh_does_not_cover():
 
 def test_mesh_that_is_not_1d():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    with pytest.raises(ValueError, match=r"expected a 1-D DeviceMesh, got a 2-D mesh.*mesh\[dim_name\]"):
+    with pytest.raises(ValueError, match=r"expected a 1-D DeviceMesh, got a 2-D mesh.*1-D mesh over all of them"):
         fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2)], ids=["shard_dim_of_1", "shard_dim_of_2"])
+def test_a_shard_slice_of_an_hsdp_mesh_would_not_sync_replicas(shape):
+    """Following HSDP's habit, mesh["shard"], would reduce within a replica only (or not at all): refused."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError, match=r"slice of the .* mesh \('replicate', 'shard'\).*never across \['replicate'\]"):
+        fully_shard(nn.Linear(4, 4), mesh=mesh["shard"])
+
+
+def test_a_data_parallel_slice_beside_pipeline_stages_is_accepted():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
 
 
 def test_mixed_dtypes_in_one_group():

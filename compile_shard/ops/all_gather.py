@@ -20,7 +20,8 @@ from .transport import _Exchange, _padded_flat
 
 _lib.define(
     "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
-    "str group_name) -> Tensor"
+    "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
+    "Tensor? accumulated_grad=None, bool reduce_grads=True) -> Tensor"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -52,7 +53,7 @@ def _check_shards(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) 
 # all_gather_into ---------------------------------------------------------------------
 
 
-def _all_gather_into_kernel(shards, padded_numels, world_size, group_name):
+def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *reduction):
     _check_shards(shards, padded_numels)
     all_gather_input = _copy_in(shards, padded_numels)
     funcol = torch.ops._c10d_functional
@@ -64,29 +65,61 @@ def _all_gather_into_kernel(shards, padded_numels, world_size, group_name):
     return funcol.wait_tensor(all_gather_output)
 
 
-def _all_gather_into_meta(shards, padded_numels, world_size, group_name):
+def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *reduction):
     _check_shards(shards, padded_numels)
     return shards[0].new_empty(world_size * sum(padded_numels))
 
 
 def _all_gather_into_setup_context(ctx, inputs, output):
-    shards, padded_numels, world_size, group_name = inputs
+    shards, padded_numels, world_size, group_name, *reduction = inputs
     ctx.shard_shapes = [shard.shape for shard in shards]
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
+    reduce_op, premul, postdivide, accumulated_grad, reduce_grads = _reduction(reduction)
+    ctx.reduce_op, ctx.premul_factor, ctx.postdivide_factor, ctx.reduce_grads = reduce_op, premul, postdivide, reduce_grads
+    ctx.accumulated_grad = accumulated_grad
+
+
+def _reduction(given: Sequence) -> tuple:
+    """``all_gather_into``'s reduction arguments, defaults filled in."""
+    return (*given, *("avg", 1.0, 1.0, None, True)[len(given) :])
 
 
 def _all_gather_into_backward(ctx, all_gather_output_grad):
-    """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction."""
-    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
-        all_gather_output_grad.contiguous(), ctx.world_size, ctx.group_name, "avg"
-    )
+    """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction.
+
+    ``reduce_op``, ``premul_factor`` and ``postdivide_factor`` spell FSDP2's choice of
+    reduce op and divide factors (``compile_shard._group.GradientReduction``): the
+    gradient is multiplied by ``premul_factor`` before the reduction (NCCL's
+    ``PREMUL_SUM``) and divided by ``postdivide_factor`` after it.
+
+    [Note: gradient accumulation without sync]
+    With ``reduce_grads=False`` the backward reduces nothing: it adds the unsharded
+    gradient into ``accumulated_grad`` (a buffer laid out like the all-gather output,
+    owned by the group) and gives the shards no gradient. The next call with
+    ``reduce_grads=True`` and that buffer as ``accumulated_grad`` adds it to its own
+    gradient before the reduction, FSDP2's ``set_requires_gradient_sync(False)``.
+    The buffer is a forward input that only the backward writes: AOTAutograd keeps
+    such a write in the compiled backward graph.
+    """
+    unsharded_grad = all_gather_output_grad.contiguous()
+    if not ctx.reduce_grads:
+        ctx.accumulated_grad.add_(unsharded_grad)
+        return [None] * len(ctx.shard_shapes), *[None] * (len(ctx.needs_input_grad) - 1)
+    if ctx.accumulated_grad is not None:
+        unsharded_grad = unsharded_grad + ctx.accumulated_grad
+    if ctx.premul_factor != 1.0:
+        unsharded_grad = unsharded_grad * ctx.premul_factor
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, ctx.world_size, ctx.group_name, ctx.reduce_op)
+    if ctx.postdivide_factor != 1.0:
+        sharded_grad = sharded_grad / ctx.postdivide_factor
     shard_grads = [
         padded_grad[: shape.numel()].view(shape)
         for padded_grad, shape in zip(sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes)
     ]
-    return shard_grads, None, None, None
+    # One None per other argument the call gave (the reduction's are optional).
+    return shard_grads, *[None] * (len(ctx.needs_input_grad) - 1)
 
 
 # all_gather_send_recv_ ---------------------------------------------------------------

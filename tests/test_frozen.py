@@ -1,0 +1,98 @@
+"""Frozen parameters: every layout FSDP2 trains, eager against torch FSDP2 and compiled against eager.
+
+A block whose parameters are all frozen still runs backward (its inputs need
+gradients), so its unsharded parameters must be refilled and freed around that
+backward without an all-gather gradient to hook ([Note: post-backward of a frozen
+group] in compile_shard/_group.py).
+"""
+
+import pytest
+import torch
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from compile_shard import fully_shard
+from compile_shard.models import LlamaConfig
+from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
+
+STEPS = 3
+CONFIG = LlamaConfig(n_layers=3)
+# Parameters frozen before fully_shard, by layout: a whole block first, in the middle
+# and last, and part of the root's own group.
+LAYOUTS = {
+    "first_block": ("layers.0.",),
+    "middle_block": ("layers.1.",),
+    "last_block": ("layers.2.",),
+    "part_of_root": ("tok_embeddings.",),
+}
+
+
+def _train(layout, shard, rank, world_size, reshard, backend=None):
+    """Losses, gradients of the last step (None where none) and final parameters, all full tensors."""
+    model, _ = build_sharded_llama(
+        CONFIG, shard=_freezing(shard, LAYOUTS[layout]), block_reshard=reshard, root_reshard=reshard
+    )
+    runnable = model if backend is None else torch.compile(model, backend=backend)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        tokens = global_batch(step, world_size, 2, 8, CONFIG.vocab_size)[2 * rank : 2 * rank + 2]
+        optimizer.zero_grad()
+        loss = lm_loss(runnable, tokens)
+        loss.backward()
+        grads = {name: None if p.grad is None else p.grad.full_tensor() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.detach())
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return losses, grads, params
+
+
+def _freezing(shard, prefixes):
+    """``shard`` that first freezes the parameters of the module's own group under ``prefixes``."""
+
+    def freeze_then_shard(module, **kwargs):
+        if module.__class__.__name__ == "Llama":
+            for name, param in module.named_parameters():
+                if name.startswith(prefixes):
+                    param.requires_grad_(False)
+        return shard(module, **kwargs)
+
+    return freeze_then_shard
+
+
+def _assert_same(actual, expected, atol=0.0):
+    losses, grads, params = actual
+    expected_losses, expected_grads, expected_params = expected
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected_losses), rtol=0, atol=atol)
+    assert {n for n, g in grads.items() if g is None} == {n for n, g in expected_grads.items() if g is None}
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=atol, msg=name)
+    for name, param in params.items():
+        torch.testing.assert_close(param, expected_params[name], rtol=0, atol=atol, msg=name)
+
+
+def _eager_worker(rank, world_size, reshard):
+    for layout, prefixes in LAYOUTS.items():
+        ours = _train(layout, fully_shard, rank, world_size, reshard)
+        theirs = _train(layout, torch_fully_shard, rank, world_size, reshard)
+        _assert_same(ours, theirs)
+        frozen = {name for name, grad in ours[1].items() if grad is None}
+        assert frozen and all(name.startswith(prefixes) for name in frozen), layout
+
+
+def _compiled_worker(rank, world_size, reshard):
+    for layout in LAYOUTS:
+        torch._dynamo.reset()
+        eager = _train(layout, fully_shard, rank, world_size, reshard)
+        compiled = _train(layout, fully_shard, rank, world_size, reshard, backend="aot_eager")
+        _assert_same(compiled, eager)
+
+
+@pytest.mark.parametrize("reshard", [None, False], ids=["reshard_default", "reshard_false"])
+def test_frozen_layouts_match_torch_fsdp2(reshard):
+    run_gloo(_eager_worker, 2, reshard)
+
+
+@pytest.mark.parametrize("reshard", [None, False], ids=["reshard_default", "reshard_false"])
+def test_frozen_layouts_compiled_match_eager(reshard):
+    run_gloo(_compiled_worker, 2, reshard)

@@ -1,0 +1,95 @@
+"""Gradient accumulation without sync (``set_requires_gradient_sync``), eager and compiled.
+
+[Note: gradient accumulation without sync] in compile_shard.ops: backward adds the
+unsharded gradients into a buffer per group while sync is off, and the micro-batch
+with sync on reduce-scatters the sum once.
+"""
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import clear_compilation_metrics
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from compile_shard._collectives import node_collective
+from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.models import LlamaConfig
+from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
+
+MICRO_BATCHES = 4
+CONFIG = LlamaConfig()
+GROUPS = CONFIG.n_layers + 1
+
+
+def _accumulate(model, runnable, step, rank, world_size):
+    """One step of MICRO_BATCHES micro-batches, sync on the last only; returns the reduce-scatter count."""
+    tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
+    local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
+    with CollectiveCounter() as counter:
+        for index, micro_batch in enumerate(local.chunk(MICRO_BATCHES)):
+            model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
+            (lm_loss(runnable, micro_batch) / MICRO_BATCHES).backward()
+    return counter.counts["reduce_scatter"]
+
+
+def _eager_worker(rank, world_size, reshard):
+    ours, reference = build_sharded_llama(CONFIG, block_reshard=reshard)
+    theirs, _ = build_sharded_llama(CONFIG, shard=torch_fully_shard, block_reshard=reshard)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    for step in range(2):
+        reductions = [_accumulate(model, model, step, rank, world_size) for model in (ours, theirs)]
+        assert reductions[0] == GROUPS, reductions
+        for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("reshard", [None, False], ids=["reshard_default", "reshard_false"])
+def test_accumulating_without_sync_matches_torch_fsdp2(reshard):
+    run_gloo(_eager_worker, 2, reshard)
+
+
+def _reductions_in(graph) -> int:
+    kinds = [node_collective(node) for node in graph.nodes if node.op == "call_function"]
+    return sum(kind is not None and kind.kind in ("reduce_scatter", "all_to_all") for kind in kinds)
+
+
+def _compiled_worker(rank, world_size):
+    """aot_eager against eager, micro-batch by micro-batch; the reductions each backward graph holds."""
+    backward_reductions = []
+
+    def forward_compiler(graph_module, example_inputs):
+        return graph_module
+
+    def backward_compiler(graph_module, example_inputs):
+        backward_reductions.append(_reductions_in(graph_module.graph))
+        return graph_module
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+    compiled_model, _ = build_sharded_llama(CONFIG)
+    eager_model, _ = build_sharded_llama(CONFIG)
+    runnable = torch.compile(compiled_model, backend=backend)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled_model, eager_model)]
+    clear_compilation_metrics()
+    for step in range(20):
+        tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
+        local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
+        for index, micro_batch in enumerate(local.chunk(MICRO_BATCHES)):
+            for model, run in ((compiled_model, runnable), (eager_model, eager_model)):
+                model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
+                (lm_loss(run, micro_batch) / MICRO_BATCHES).backward()
+        if step < 3:
+            for (name, param), other in zip(compiled_model.named_parameters(), eager_model.parameters()):
+                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    # One graph per setting: no reduction while accumulating, one per group with sync on.
+    assert backward_reductions == [0, GROUPS], backward_reductions
+    assert recompiles() == 1  # the second setting's graph, then none over 20 steps
+
+
+def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting():
+    run_gloo(_compiled_worker, 2)
