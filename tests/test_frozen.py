@@ -80,8 +80,9 @@ def _eager_worker(rank, world_size, reshard):
         assert frozen and all(name.startswith(prefixes) for name in frozen), layout
 
 
-def _compiled_worker(rank, world_size, reshard):
-    for layout in LAYOUTS:
+def _compiled_worker(rank, world_size):
+    # Every layout, resharding on and off in turn: each compile costs seconds on two processes.
+    for layout, reshard in zip(LAYOUTS, [None, False] * len(LAYOUTS)):
         torch._dynamo.reset()
         eager = _train(layout, fully_shard, rank, world_size, reshard)
         compiled = _train(layout, fully_shard, rank, world_size, reshard, backend="aot_eager")
@@ -93,6 +94,5 @@ def test_frozen_layouts_match_torch_fsdp2(reshard):
     run_gloo(_eager_worker, 2, reshard)
 
 
-@pytest.mark.parametrize("reshard", [None, False], ids=["reshard_default", "reshard_false"])
-def test_frozen_layouts_compiled_match_eager(reshard):
-    run_gloo(_compiled_worker, 2, reshard)
+def test_frozen_layouts_compiled_match_eager():
+    run_gloo(_compiled_worker, 2)
