@@ -33,10 +33,15 @@ _STATE_ATTR = "_compile_shard_state"
 
 
 class FSDPState:
-    """Per-module state of ``fully_shard``: the group, root duties, forward wrapping."""
+    """State of one ``fully_shard`` call: the group, root duties, forward wrapping.
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, group: FSDPParamGroup | None, reshard_after_forward):
-        self.module = module
+    Shared by the modules of a list (``fully_shard([norm, output])``), whose group
+    they all read.
+    """
+
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, group: FSDPParamGroup | None, reshard_after_forward):
+        self.modules = modules
+        self.module = modules[0]
         self.mesh = mesh
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -59,17 +64,20 @@ class FSDPState:
         a torch.compile trace would have to guard on (and recompile for on the
         second step).
         """
-        fqns = {id(param): fqn for fqn, param in self.module.named_parameters()}
-        self.subtree_states = []
-        for name, submodule in self.module.named_modules():
-            state = _get_state(submodule)
-            if state is None:
-                continue
+        fqns: dict[int, str] = {}
+        names: dict[FSDPState, list[str]] = {}  # in module order; a list's state under each of its names
+        for top in self.modules:
+            fqns.update({id(param): fqn for fqn, param in top.named_parameters()})
+            for name, submodule in top.named_modules():
+                state = _get_state(submodule)
+                if state is not None:
+                    names.setdefault(state, []).append(name or _label(submodule))
+        self.subtree_states = list(names)
+        for state, state_names in names.items():
             state.is_root = state is self
-            self.subtree_states.append(state)
             if state.group is None:
                 continue
-            state.group.module_name = name or _label(self.module)
+            state.group.module_name = "+".join(state_names)
             state.group.reshard_after_forward = state.resolved_reshard_after_forward()
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
@@ -145,6 +153,10 @@ class FSDPState:
             # subtree, so that nothing is written inside a checkpoint region below it.
             groups = [state.group for state in self.subtree_states if state.group is not None]
             return [group for group in groups if group.show_traced_unsharded_params()], args, kwargs
+        if self.is_root:
+            for state in self.subtree_states:
+                if state.group is not None:
+                    state.group.start_iteration()
         if self.group is not None:
             self.group.pre_forward()
             args, kwargs = self.group.register_post_backward_on_inputs(args, kwargs)
@@ -471,7 +483,7 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _managed_params(module: nn.Module, ignored: set[int]) -> dict[nn.Parameter, list[ParamUsage]]:
+def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn.Parameter, list[ParamUsage]]:
     """Parameters registered in ``module``'s subtree, minus subtrees already sharded and ``ignored``."""
     sharded_below = {
         id(tensor)
@@ -488,7 +500,7 @@ def _managed_params(module: nn.Module, ignored: set[int]) -> dict[nn.Parameter, 
                 continue
             if id(param) in sharded_below:
                 raise ValueError(
-                    f"fully_shard({_label(module)}): parameter {prefix + name!r} is already sharded by "
+                    f"fully_shard({label}): parameter {prefix + name!r} is already sharded by "
                     "another fully_shard call (a parameter shared across groups). Apply fully_shard to a "
                     "common ancestor of every module that uses it instead"
                 )
@@ -501,14 +513,13 @@ def _managed_params(module: nn.Module, ignored: set[int]) -> dict[nn.Parameter, 
     return usages
 
 
-def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
+def _check_mesh(label: str, mesh: DeviceMesh) -> None:
     """Refuses a mesh that would leave data-parallel ranks without gradient synchronisation.
 
     HSDP is not supported yet, and its obvious workaround is silently wrong: sharding
     over ``mesh["shard"]`` of a (replicate, shard) mesh reduces gradients within each
     replica only, and with a shard dim of size 1 not at all.
     """
-    label = _label(module)
     if mesh.ndim != 1:
         raise ValueError(
             f"fully_shard({label}): expected a 1-D DeviceMesh, got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
@@ -529,11 +540,12 @@ def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
         )
 
 
-def _check_unsupported_arguments(module, mp_policy, offload_policy, dp_mesh_dims) -> None:
-    label = _label(module)
+def _check_unsupported_arguments(
+    label: str, modules: list[nn.Module], mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any
+) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard({label}): mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy)}")
-    dtypes = {param.dtype for param in module.parameters()}
+    dtypes = {param.dtype for module in modules for param in module.parameters()}
     for field in ("param_dtype", "reduce_dtype"):
         dtype = getattr(mp_policy, field)
         if dtype is not None and dtypes - {dtype}:
@@ -558,21 +570,21 @@ def _check_unsupported_arguments(module, mp_policy, offload_policy, dp_mesh_dims
         )
 
 
-def _check_one_dtype(module: nn.Module, named: dict[str, nn.Parameter]) -> None:
+def _check_one_dtype(label: str, named: dict[str, nn.Parameter]) -> None:
     by_dtype: dict[torch.dtype, list[str]] = {}
     for fqn, param in named.items():
         by_dtype.setdefault(param.dtype, []).append(fqn)
     if len(by_dtype) > 1:
         listing = "; ".join(f"{dtype}: {', '.join(fqns)}" for dtype, fqns in by_dtype.items())
         raise ValueError(
-            f"fully_shard({_label(module)}): one group is all-gathered as one buffer and needs one "
+            f"fully_shard({label}): one group is all-gathered as one buffer and needs one "
             f"dtype, but got {listing}. Cast the module to one dtype, or apply fully_shard to the "
             "submodules with the other dtype first"
         )
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
@@ -588,45 +600,46 @@ def fully_shard(
     group: one all-gather before the module's forward, one reduce-scatter of its
     gradients in backward. ``reshard_after_forward`` frees the unsharded parameters
     after forward and gathers them again before backward; ``None`` (the default)
-    means True except for the root module, as in FSDP2. ``ignored_params`` stay
+    means True except for the root module, as in FSDP2. A list of modules forms one
+    group, unsharded until each of them has run its forward. ``ignored_params`` stay
     plain, unsharded parameters whose gradients are not reduced. The other arguments
     take FSDP2's values where they mean what compile_shard already does (for example
     the default ``MixedPrecisionPolicy()``) and raise ``NotImplementedError`` otherwise.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError(
-            "fully_shard([module, ...]): one group over several modules is not supported yet; apply "
-            "fully_shard to each module, or to a common parent module"
-        )
-    _check_unsupported_arguments(module, mp_policy, offload_policy, dp_mesh_dims)
-    if _get_state(module) is not None:
-        raise ValueError(
-            f"fully_shard was already applied to this {_label(module)}; apply it once per module "
-            "(bottom-up: blocks first, then the root)"
-        )
+    modules = _as_module_list(module)
+    label = "+".join(_label(m) for m in modules)
+    _check_unsupported_arguments(label, modules, mp_policy, offload_policy, dp_mesh_dims)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(
-            f"fully_shard({_label(module)}): reshard_after_forward must be True, False or None, got "
+            f"fully_shard({label}): reshard_after_forward must be True, False or None, got "
             f"{reshard_after_forward!r} (resharding to a smaller world is not supported yet)"
         )
     mesh = mesh if mesh is not None else _default_mesh()
-    _check_mesh(module, mesh)
-    usages = _managed_params(module, {id(param) for param in ignored_params or ()})
-    fqn_of = {id(param): fqn for fqn, param in module.named_parameters()}
-    named = {fqn_of[id(param)]: param for param in usages}
+    _check_mesh(label, mesh)
+    ignored = {id(param) for param in ignored_params or ()}
+    usages: dict[nn.Parameter, list[ParamUsage]] = {}
+    named: dict[str, nn.Parameter] = {}
+    for index, top in enumerate(modules):
+        # A list's parameters are named by position until the root names them ([Note: the root ...]).
+        prefix = f"[{index}]." if len(modules) > 1 else ""
+        fqn_of = {id(param): prefix + fqn for fqn, param in top.named_parameters()}
+        for param, param_usages in _managed_params(top, label, ignored).items():
+            if param not in usages:
+                named[fqn_of[id(param)]] = param
+            usages.setdefault(param, []).extend(param_usages)
     for fqn, param in named.items():
         if not param.is_meta and param.device.type != mesh.device_type:
             raise ValueError(
-                f"fully_shard({_label(module)}): parameter {fqn!r} is on {param.device} but the mesh "
+                f"fully_shard({label}): parameter {fqn!r} is on {param.device} but the mesh "
                 f"covers {mesh.device_type!r} devices; move the module to {mesh.device_type!r} (or keep it "
                 "on meta and materialize it later) before fully_shard"
             )
-    _check_one_dtype(module, named)
+    _check_one_dtype(label, named)
     for fqn, param in named.items():
         placement = None if shard_placement_fn is None else shard_placement_fn(param)
         if placement is not None and placement != Shard(0):
             raise NotImplementedError(
-                f"fully_shard({_label(module)}): shard_placement_fn gave {placement} for {fqn!r}; compile_shard "
+                f"fully_shard({label}): shard_placement_fn gave {placement} for {fqn!r}; compile_shard "
                 "shards every parameter on dim 0 (return Shard(0) or None)"
             )
     group = None
@@ -636,16 +649,34 @@ def fully_shard(
         ]
         group = FSDPParamGroup(
             fsdp_params,
-            _label(module),
+            label,
             mesh,
             reshard_after_forward=reshard_after_forward is not False,
+            forwards_per_iteration=len(modules),
         )
     install()  # the pass suite, for torch.compile of this model
-    state = FSDPState(module, mesh, group, reshard_after_forward)
-    sharded_below = any(_get_state(submodule) is not None for submodule in module.modules())
-    module.__dict__[_STATE_ATTR] = state
-    module.__class__ = _fsdp_class(type(module))
-    if group is not None and not sharded_below:
+    state = FSDPState(modules, mesh, group, reshard_after_forward)
+    sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
+    for top in modules:
+        top.__dict__[_STATE_ATTR] = state
+        top.__class__ = _fsdp_class(type(top))
+    if group is not None and not sharded_below and len(modules) == 1:
         state.region_modules = list(module.modules())
     state.claim_root()
     return cast(FSDPModule, module)
+
+
+def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """``fully_shard``'s module argument as a list: one module, or FSDP2's list of modules forming one group."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard: expected an nn.Module or a non-empty list of them, got {module!r}")
+    for m in modules:
+        if _get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {_label(m)}; apply it once per module "
+                "(bottom-up: blocks first, then the root)"
+            )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard: the list holds the same module twice")
+    return modules

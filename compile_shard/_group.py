@@ -127,6 +127,7 @@ class FSDPParamGroup:
         module_name: str,
         mesh: DeviceMesh,
         reshard_after_forward: bool,
+        forwards_per_iteration: int = 1,
     ):
         self.fsdp_params = fsdp_params
         self.module_name = module_name
@@ -154,6 +155,11 @@ class FSDPParamGroup:
         self.forward_prefetch: list[FSDPParamGroup] = []
         self.backward_prefetch: list[FSDPParamGroup] = []
         self.training_state = TrainingState.IDLE
+        # A list of modules forms one group (``fully_shard([norm, output])``): as in
+        # FSDP2 it stays unsharded until each of them has run its forward, so one
+        # all-gather and one reduce-scatter serve them all.
+        self.forwards_per_iteration = forwards_per_iteration
+        self.forwards_left = 0
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
@@ -284,6 +290,8 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # activation-checkpoint recompute: parameters are already unsharded
+        if self.forwards_left == 0:
+            self.forwards_left = self.forwards_per_iteration
         self.training_state = TrainingState.FORWARD
         self.unshard()
         for group in self.forward_prefetch:
@@ -292,11 +300,15 @@ class FSDPParamGroup:
     def post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
-        self.training_state = TrainingState.IDLE
         unsharded = self.unsharded
         if unsharded is None:
+            self.training_state = TrainingState.IDLE
             return output
         self._register_pre_backward(output, unsharded)
+        self.forwards_left -= 1
+        if self.forwards_left > 0:
+            return output  # another module of the list runs its forward with these parameters
+        self.training_state = TrainingState.IDLE
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
         if self.reshard_after_forward:
@@ -330,6 +342,7 @@ class FSDPParamGroup:
             unsharded is None
             or unsharded.all_gather_node is not None
             or self.training_state is not TrainingState.FORWARD
+            or self.forwards_left != self.forwards_per_iteration  # a list's first module: its backward ends last
             or not torch.is_grad_enabled()
         ):
             return args, kwargs
@@ -387,6 +400,11 @@ class FSDPParamGroup:
     def reset_iter_state(self) -> None:
         self.reshard()
         self.training_state = TrainingState.IDLE
+        self.forwards_left = 0
+
+    def start_iteration(self) -> None:
+        """At the root's forward: a list's modules that did not all run last time start over."""
+        self.forwards_left = 0
 
     def finalize_backward(self) -> None:
         """Reshards a group whose all-gather received no gradient in this backward."""

@@ -241,6 +241,56 @@ def test_share_comm_ctx_and_accepted_knobs(fake_pg):
 # fully_shard's arguments -----------------------------------------------------------------
 
 
+class _Tower(nn.Module):
+    """Blocks, then a norm and a head that frameworks shard as one group: ``fully_shard([norm, head])``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 10)
+        self.blocks = nn.Sequential(nn.Linear(10, 10), nn.Tanh(), nn.Linear(10, 10))
+        self.norm = nn.LayerNorm(10)
+        self.head = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.embed(x))))
+
+
+def _list_worker(rank, world_size, backend):
+    models, counts = [], []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = _Tower()
+        shard(model.blocks[0])
+        shard(model.blocks[2])
+        shard([model.norm, model.head])
+        shard(model)
+        models.append(model)
+    ours, theirs = models
+    runnable = ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    atol = 0.0 if backend is None else 1e-6
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        counts = []
+        for model in (runnable, theirs):
+            with CollectiveCounter() as counter:
+                model(x).square().mean().backward()
+            counts.append(counter.counts)
+        for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=atol, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    if backend is None:  # compiled gloo graphs lower reduce-scatters to all-to-alls
+        assert counts[0] == counts[1], counts
+    assert ours.norm._get_fsdp_state().group.module_name == "norm+head"
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_a_list_of_modules_is_one_group_as_in_torch_fsdp2(backend):
+    run_gloo(_list_worker, 2, backend)
+
+
 def _ignored_params_worker(rank, world_size):
     models = []
     for shard in (fully_shard, torch_fully_shard):
@@ -287,11 +337,6 @@ def test_arguments_that_mean_what_compile_shard_does_are_accepted(fake_pg):
 def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     with pytest.raises(NotImplementedError, match=message):
         fully_shard(nn.Linear(4, 4), **kwargs)
-
-
-def test_a_list_of_modules_is_not_supported_yet(fake_pg):
-    with pytest.raises(NotImplementedError, match="several modules"):
-        fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)])
 
 
 @pytest.mark.parametrize(
