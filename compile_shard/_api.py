@@ -337,12 +337,15 @@ class FSDPModule(TorchFSDPModule):
         """
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Only ``True`` (the default): a group's backward refills its unsharded parameters."""
-        if unshard_in_backward is not True:
-            raise NotImplementedError(
-                "set_unshard_in_backward(False) is not supported yet: backward always gathers the parameters "
-                "again where it needs them (compiled graphs gather only what backward reads)"
-            )
+        """Sets whether backward gathers this module's parameters again (not recursive; FSDP2's knob).
+
+        False suits a module whose backward reads none of its parameters, such as an
+        embedding: its resharded parameters stay freed through backward, saving an
+        all-gather. A backward that does read them then fails on the freed storage,
+        as in FSDP2. Compiled graphs gather in backward only what backward reads.
+        """
+        for group in self._groups():
+            group.unshard_in_backward = bool(unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides this module's reduced gradients by ``factor`` instead of the world size (not recursive).

@@ -160,6 +160,10 @@ class FSDPParamGroup:
         # all-gather and one reduce-scatter serve them all.
         self.forwards_per_iteration = forwards_per_iteration
         self.forwards_left = 0
+        # FSDP2's set_unshard_in_backward: False for a group whose backward reads no
+        # parameter (an embedding's gradient needs only its indices): eager backward
+        # then gathers nothing. Compiled graphs gather in backward only what it reads.
+        self.unshard_in_backward = True
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
@@ -370,11 +374,12 @@ class FSDPParamGroup:
             )
         if self.training_state is TrainingState.PRE_BACKWARD and self.unsharded is unsharded:
             return
-        if unsharded.is_freed:
-            self._refill(unsharded)
         self.unsharded = unsharded
-        for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
-            fsdp_param.show_unsharded(tensor)
+        if self.unshard_in_backward:
+            if unsharded.is_freed:
+                self._refill(unsharded)
+            for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
+                fsdp_param.show_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
         for group in self.backward_prefetch:
             group.prefetch_for_backward()
@@ -384,7 +389,7 @@ class FSDPParamGroup:
         for ref in reversed(self._live):
             unsharded = ref()
             if unsharded is not None and not unsharded.backward_done:
-                if unsharded.is_freed:
+                if unsharded.is_freed and self.unshard_in_backward:
                     self._refill(unsharded)
                 return
 

@@ -238,6 +238,30 @@ def test_share_comm_ctx_and_accepted_knobs(fake_pg):
         first.set_reshard_after_forward(1)
 
 
+def _unshard_in_backward_worker(rank, world_size):
+    """An embedding whose backward reads no weight: no all-gather for it in backward."""
+    models, counts = [], []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        shard(model[0])
+        model[0].set_unshard_in_backward(False)
+        shard(model)
+        models.append(model)
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank))
+    for model in models:
+        with CollectiveCounter() as counter:
+            model(tokens).square().mean().backward()
+        counts.append(counter.counts)
+    assert counts[0] == counts[1] == {"all_gather": 2, "reduce_scatter": 2}, counts
+    for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+
+
+def test_set_unshard_in_backward_false_gathers_nothing_in_backward_as_in_torch_fsdp2():
+    run_gloo(_unshard_in_backward_worker, 2)
+
+
 # fully_shard's arguments -----------------------------------------------------------------
 
 
@@ -343,7 +367,6 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     "call, message",
     [
         (lambda m: m.set_reshard_after_backward(False), "frees the unsharded parameters"),
-        (lambda m: m.set_unshard_in_backward(False), "not supported yet"),
         (lambda m: m.set_reduce_scatter_unused_params(False), "zero gradient"),
         (lambda m: m.set_allocate_memory_from_process_group_for_comm(True), "ordinary tensors"),
         (lambda m: m.set_custom_all_gather(object()), "all_gather_into"),
@@ -354,7 +377,6 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     ],
     ids=[
         "reshard_after_backward",
-        "unshard_in_backward",
         "reduce_scatter_unused_params",
         "allocate_memory_from_process_group",
         "custom_all_gather",
@@ -373,6 +395,5 @@ def test_methods_not_supported_yet_raise(fake_pg, call, message):
 def test_defaults_of_unsupported_knobs_are_accepted(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
     model.set_reshard_after_backward(True)
-    model.set_unshard_in_backward(True)
     model.set_reduce_scatter_unused_params(True)
     model.set_allocate_memory_from_process_group_for_comm(False)
