@@ -253,8 +253,9 @@ class FSDPModule(TorchFSDPModule):
         return [module for module in modules if isinstance(module, FSDPModule)]
 
     def _groups(self, recurse: bool = False) -> list[FSDPParamGroup]:
+        """The groups of this module (and below), each once: a list's modules share one."""
         states = (module._get_fsdp_state() for module in self._fsdp_modules(recurse))
-        return [state.group for state in states if state.group is not None]
+        return list(dict.fromkeys(state.group for state in states if state.group is not None))
 
     # Unshard and reshard ---------------------------------------------------------------
 
@@ -320,10 +321,8 @@ class FSDPModule(TorchFSDPModule):
         gradients and reduce-scatters once. A compiled model keeps one graph per
         setting ([Note: gradient accumulation without sync] in compile_shard.ops).
         """
-        for module in self._fsdp_modules(recurse):
-            group = module._get_fsdp_state().group
-            if group is not None:
-                group.set_requires_gradient_sync(bool(requires_gradient_sync))
+        for group in self._groups(recurse):
+            group.set_requires_gradient_sync(bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP's all-reduce switch: a 1-D mesh has no all-reduce, so any value means what it does in FSDP2."""

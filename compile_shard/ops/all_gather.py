@@ -76,9 +76,9 @@ def _all_gather_into_setup_context(ctx, inputs, output):
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
-    reduce_op, premul, postdivide, accumulated_grad, reduce_grads = _reduction(reduction)
-    ctx.reduce_op, ctx.premul_factor, ctx.postdivide_factor, ctx.reduce_grads = reduce_op, premul, postdivide, reduce_grads
-    ctx.accumulated_grad = accumulated_grad
+    ctx.reduce_op, ctx.premul_factor, ctx.postdivide_factor, ctx.accumulated_grad, ctx.reduce_grads = _reduction(
+        reduction
+    )
 
 
 def _reduction(given: Sequence) -> tuple:
