@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import Shard
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ._group import FSDPParamGroup
 from ._param import FSDPParam, ParamUsage
@@ -39,12 +39,20 @@ class FSDPState:
     they all read.
     """
 
-    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, group: FSDPParamGroup | None, reshard_after_forward):
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        mesh: DeviceMesh,
+        group: FSDPParamGroup | None,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+    ):
         self.modules = modules
         self.module = modules[0]
         self.mesh = mesh
         self.group = group
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
         self.is_root = True
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
@@ -148,6 +156,7 @@ class FSDPState:
                 if state.group is not None:
                     for fsdp_param in state.group.fsdp_params:
                         fsdp_param.validate_device(device_type)
+        args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
@@ -169,7 +178,20 @@ class FSDPState:
             output = self.group.post_forward(output)
         if self.is_root and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._register_root_pre_backward(output)
-        return output
+        return self._cast_output(output)
+
+    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """FSDP2's ``cast_forward_inputs``: floating-point inputs to ``param_dtype``, before the unshard."""
+        if not (self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype):
+            return args, kwargs
+        return _cast_floating_tensors(self.mp_policy.param_dtype, (args, kwargs))
+
+    def _cast_output(self, output: Any) -> Any:
+        """FSDP2's ``output_dtype``: floating-point outputs cast last, after the backward hooks."""
+        if self.mp_policy.output_dtype is None:
+            return output
+        return _cast_floating_tensors(self.mp_policy.output_dtype, output)
+
 
     def _register_root_pre_backward(self, output: Any) -> None:
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -187,6 +209,13 @@ class FSDPState:
         for state in self.subtree_states:
             if state.group is not None:
                 state.group.finalize_backward()
+
+
+def _cast_floating_tensors(dtype: torch.dtype, tree: Any) -> Any:
+    return tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x,
+        tree,
+    )
 
 
 def _prefetch_groups(modules: list[FSDPModule], knob: str) -> list[FSDPParamGroup]:
@@ -542,24 +571,19 @@ def _check_mesh(label: str, mesh: DeviceMesh) -> None:
         )
 
 
-def _check_unsupported_arguments(
-    label: str, modules: list[nn.Module], mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any
-) -> None:
+def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard({label}): mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy)}")
-    dtypes = {param.dtype for module in modules for param in module.parameters()}
-    for field in ("param_dtype", "reduce_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and dtypes - {dtype}:
-            raise NotImplementedError(
-                f"fully_shard({label}): mp_policy.{field}={dtype} differs from the parameters' dtype "
-                f"{sorted(map(str, dtypes))}; mixed precision is not supported yet. Pass MixedPrecisionPolicy() "
-                "(or the parameters' own dtype), or use torch.autocast around the forward"
-            )
-    if mp_policy.output_dtype is not None:
-        raise NotImplementedError(
-            f"fully_shard({label}): mp_policy.output_dtype is not supported yet; cast the module's output instead"
+        raise TypeError(
+            f"fully_shard({label}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}"
         )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"fully_shard({label}): mp_policy.{field} must be a floating-point torch.dtype or None, got "
+                f"{dtype!r}; for example MixedPrecisionPolicy({field}=torch.bfloat16)"
+            )
     if type(offload_policy) is not OffloadPolicy:
         raise NotImplementedError(
             f"fully_shard({label}): {type(offload_policy).__name__} (CPU offload) is not supported yet; "
@@ -610,7 +634,7 @@ def fully_shard(
     """
     modules = _as_module_list(module)
     label = "+".join(_label(m) for m in modules)
-    _check_unsupported_arguments(label, modules, mp_policy, offload_policy, dp_mesh_dims)
+    _check_unsupported_arguments(label, mp_policy, offload_policy, dp_mesh_dims)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ValueError(
             f"fully_shard({label}): reshard_after_forward must be True, False or None, got "
@@ -655,9 +679,10 @@ def fully_shard(
             mesh,
             reshard_after_forward=reshard_after_forward is not False,
             forwards_per_iteration=len(modules),
+            mp_policy=mp_policy,
         )
     install()  # the pass suite, for torch.compile of this model
-    state = FSDPState(modules, mesh, group, reshard_after_forward)
+    state = FSDPState(modules, mesh, group, reshard_after_forward, mp_policy)
     sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
     for top in modules:
         top.__dict__[_STATE_ATTR] = state

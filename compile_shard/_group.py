@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
@@ -23,7 +24,7 @@ def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class GradientReduction:
-    """How a group's gradients are reduced: FSDP2's reduce op and divide factors, for fp32 gradients.
+    """How a group's gradients are reduced: FSDP2's reduce op and divide factors.
 
     The default averages over the process group. ``FSDPModule.set_gradient_divide_factor(f)``
     divides the sum by ``f`` instead: as one average when ``f`` is the world size, else by
@@ -31,7 +32,10 @@ class GradientReduction:
     ``PREMUL_SUM``, which gloo lacks: torch FSDP2 raises there, compile_shard does not).
     ``set_force_sum_reduction_for_comms(True)`` makes the collective a plain sum and
     divides its output by ``f`` (default: the world size) after it, skipping a division
-    by 1.
+    by 1. A reduction in a dtype with a narrow range (fp16, anything but fp32 and bf16)
+    also sums, dividing by a power of two close to ``sqrt(f)`` before the sum and by the
+    rest after it, against overflow (multiplying by ``2**-k`` is exact, so it gives the
+    bits of FSDP2's division).
     """
 
     reduce_op: str = "avg"
@@ -39,19 +43,45 @@ class GradientReduction:
     postdivide_factor: float = 1.0
 
     @staticmethod
-    def choose(world_size: int, divide_factor: float | None, force_sum: bool) -> GradientReduction:
-        if force_sum:
-            return GradientReduction("sum", postdivide_factor=float(world_size if divide_factor is None else divide_factor))
-        if divide_factor is None or divide_factor == world_size:
-            return GradientReduction()
-        return GradientReduction("sum", premul_factor=1.0 / divide_factor)
+    def choose(
+        world_size: int, divide_factor: float | None, force_sum: bool, reduce_dtype: torch.dtype
+    ) -> GradientReduction:
+        factor = float(world_size if divide_factor is None else divide_factor)
+        overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+        if not overflow_risk and not force_sum:
+            if factor == world_size:
+                return GradientReduction()
+            return GradientReduction("sum", premul_factor=1.0 / factor)
+        if not overflow_risk:
+            return GradientReduction("sum", postdivide_factor=factor)
+        predivide_factor = 1
+        while factor % predivide_factor == 0 and factor / predivide_factor > predivide_factor:
+            predivide_factor *= 2
+        return GradientReduction(
+            "sum", premul_factor=1.0 / predivide_factor, postdivide_factor=factor / predivide_factor
+        )
 
-    def op_args(self) -> tuple:
-        """``fsdp::all_gather_into``'s reduction arguments: none for the default, so graphs show none."""
-        return () if self == GradientReduction() else self.all_op_args()
 
-    def all_op_args(self) -> tuple:
-        return (self.reduce_op, self.premul_factor, self.postdivide_factor)
+def _mixed_precision_dtypes(
+    fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The group's ``param_dtype`` and ``reduce_dtype``, each None where FSDP2 clamps it to no cast.
+
+    No ``reduce_dtype`` when it equals ``param_dtype`` (gradients are computed in it);
+    no ``param_dtype`` when it equals the parameters' dtype, or for non-floating
+    parameters.
+    """
+    dtype = fsdp_params[0].sharded_param.dtype
+    param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
+    if reduce_dtype == param_dtype:
+        reduce_dtype = None
+    if param_dtype == dtype or not dtype.is_floating_point:
+        param_dtype = None
+    return param_dtype, reduce_dtype
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is None if default is None else value == default
 
 
 class TrainingState(enum.Enum):
@@ -128,6 +158,7 @@ class FSDPParamGroup:
         mesh: DeviceMesh,
         reshard_after_forward: bool,
         forwards_per_iteration: int = 1,
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ):
         self.fsdp_params = fsdp_params
         self.module_name = module_name
@@ -138,11 +169,14 @@ class FSDPParamGroup:
         self.unsharded_shapes = [fsdp_param.unsharded_shape for fsdp_param in fsdp_params]
         self.group_name = mesh.get_group().group_name
         self.reshard_after_forward = reshard_after_forward
+        # FSDP2's MixedPrecisionPolicy as the all-gather applies it ([Note: mixed-precision
+        # reduction] in compile_shard.ops): None where no cast is needed, as FSDP2 clamps them.
+        self.param_dtype, self.reduce_dtype = _mixed_precision_dtypes(fsdp_params, mp_policy)
         # FSDP2's knobs for the gradient reduction (set_gradient_divide_factor and
         # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction_for_comms = False
-        self.gradient_reduction = GradientReduction()
+        self.set_gradient_reduction(None, False)
         # FSDP2's set_requires_gradient_sync: while False, backward adds the unsharded
         # gradients into ``accumulated_grad`` instead of reducing them
         # ([Note: gradient accumulation without sync] in compile_shard.ops).
@@ -171,31 +205,51 @@ class FSDPParamGroup:
         """Allocates the accumulation buffer here, in eager Python, so that a trace only reads it."""
         self.requires_gradient_sync = requires_gradient_sync
         if not requires_gradient_sync and self.accumulated_grad is None and self._takes_gradients():
-            shard = self.fsdp_params[0].shard
-            self.accumulated_grad = shard.new_zeros(self.world_size * sum(self.padded_numels))
+            numel = self.world_size * sum(self.padded_numels)
+            self.accumulated_grad = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
+
+    @property
+    def reduction_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
+        return self.reduce_dtype or self.param_dtype or self.fsdp_params[0].sharded_param.dtype
 
     def _takes_gradients(self) -> bool:
         return any(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
 
-    def _reduction_args(self) -> tuple:
-        """``fsdp::all_gather_into``'s trailing arguments: how its backward treats the gradients.
+    def _all_gather_options(self) -> tuple:
+        """``fsdp::all_gather_into``'s optional arguments, trailing defaults left out (graphs show what differs).
 
         A gathering with gradients takes the accumulated gradient with it (the group
         forgets it: the backward that receives it reduces it); one without gradients
         (an evaluation forward, a refill) leaves it for the next.
         """
         reduction = self.gradient_reduction
-        if self.accumulated_grad is None or not torch.is_grad_enabled() or not self._takes_gradients():
-            return reduction.op_args()
-        if not self.requires_gradient_sync:
-            return (*reduction.all_op_args(), self.accumulated_grad, False)
-        accumulated_grad, self.accumulated_grad = self.accumulated_grad, None
-        return (*reduction.all_op_args(), accumulated_grad)
+        accumulated_grad, reduce_grads = None, True
+        if self.accumulated_grad is not None and torch.is_grad_enabled() and self._takes_gradients():
+            accumulated_grad, reduce_grads = self.accumulated_grad, self.requires_gradient_sync
+            if reduce_grads:
+                self.accumulated_grad = None
+        values = (
+            reduction.reduce_op,
+            reduction.premul_factor,
+            reduction.postdivide_factor,
+            accumulated_grad,
+            reduce_grads,
+            self.param_dtype,
+            self.reduce_dtype,
+        )
+        defaults = ("avg", 1.0, 1.0, None, True, None, None)
+        given = len(values)
+        while given and _is_default(values[given - 1], defaults[given - 1]):
+            given -= 1
+        return values[:given]
 
     def set_gradient_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
         self.gradient_divide_factor = divide_factor
         self.force_sum_reduction_for_comms = force_sum
-        self.gradient_reduction = GradientReduction.choose(self.world_size, divide_factor, force_sum)
+        self.gradient_reduction = GradientReduction.choose(
+            self.world_size, divide_factor, force_sum, self.reduction_dtype
+        )
 
     # Collectives ------------------------------------------------------------------
 
@@ -203,7 +257,7 @@ class FSDPParamGroup:
         """All-gathers the group and copies out one tensor per parameter."""
         shards = [fsdp_param.all_gather_shard() for fsdp_param in self.fsdp_params]
         all_gather_output = ops.all_gather_into(
-            shards, self.padded_numels, self.world_size, self.group_name, *self._reduction_args()
+            shards, self.padded_numels, self.world_size, self.group_name, *self._all_gather_options()
         )
         per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
         unsharded = [

@@ -6,6 +6,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ._api import _get_state
 from ._collectives import collective
@@ -15,10 +16,15 @@ __all__ = ["CollectiveCounter", "dump_graphs", "format_graph", "recompiles", "un
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts collectives by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``).
+    """Counts collectives and their bytes by kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``).
 
     Sees compile_shard's ``fsdp`` ops and torch's own c10d ops alike, so the same
-    counter measures compile_shard and torch FSDP2 on the same model.
+    counter measures compile_shard and torch FSDP2 on the same model. ``bytes`` holds,
+    per kind, the bytes of each collective's largest buffer: the all-gather output,
+    the reduce-scatter input (padded, in the reduction's dtype), what an all-to-all
+    or all-reduce sends. They are the same for torch FSDP2's ops and compile_shard's
+    (mixed precision shows in them: ``param_dtype`` all-gathers, ``reduce_dtype``
+    reductions).
 
     Around a compiled model it counts what the compiled graphs run and leaves
     compilation alone (``ignore_compile_internals``): torch.compile would otherwise
@@ -35,12 +41,21 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
         found = collective(func)
         if found is not None:
             self.counts[found.kind] += 1
-        return func(*args, **(kwargs or {}))
+            self.bytes[found.kind] += max(_nbytes(value) for value in (*args, *kwargs.values(), output))
+        return output
+
+
+def _nbytes(value: object) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a list of them)."""
+    return sum(leaf.nbytes for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor))
 
 
 def recompiles() -> int:

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 fsdp = torch.ops.fsdp
 c10d = torch.ops._c10d_functional
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
@@ -25,6 +26,27 @@ VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 # recompute tags and compile_shard's group annotation.
 INHERITED_META = ("custom", "recompute", "ac_graph_id", "seq_nr", "stack_trace", "nn_module_stack")
 
+
+
+def op_argument(node: fx.Node, name: str) -> Any:
+    """The value of an op's argument ``name`` in ``node``: given positionally, by keyword, or its default."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, argument.default_value)
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` casts its input to, where it is a plain dtype cast (``x.to(dtype)`` in a trace)."""
+    if node.op != "call_function":
+        return None
+    if node.target is prims.convert_element_type.default:
+        return node.args[1]
+    if node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        return node.kwargs["dtype"]
+    return None
 
 # [Note: recompute graph ids]
 # The partitioner recomputes a node tagged MUST_RECOMPUTE together with the other

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 
-from ._graph import NodeInserter, fake_value, fsdp, reorder_by_priority
+from ._graph import NodeInserter, fake_value, fsdp, op_argument, reorder_by_priority
 from .patterns import chain_readers, copy_out_chain, match_copy_out
 from .settings import settings
 
@@ -52,10 +52,14 @@ def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | No
 
 
 def _bucket_key(all_gather: fx.Node) -> tuple:
-    """Groups can share a collective only on the same process group, dtype and resharding policy."""
+    """Groups can share a collective only on the same process group, dtypes and resharding policy.
+
+    The dtypes: the shards' and the all-gather's (``param_dtype`` under mixed precision).
+    """
     world_size, group_name = all_gather.args[2:4]
     annotation = group_annotation(all_gather)
-    return world_size, group_name, all_gather.meta["val"].dtype, annotation.reshard_after_forward
+    dtypes = all_gather.args[0][0].meta["val"].dtype, all_gather.meta["val"].dtype
+    return world_size, group_name, dtypes, annotation.reshard_after_forward
 
 
 def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
@@ -114,7 +118,9 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnn
     shards = [shard for node in gathers for shard in node.args[0]]
     padded_numels = [numel for node in gathers for numel in node.args[1]]
     insert = NodeInserter(graph, first, first)
-    merged = insert(fsdp.all_gather_into.default, shards, padded_numels, world_size, group_name)
+    param_dtype = op_argument(first, "param_dtype")
+    options = {} if param_dtype is None else {"param_dtype": param_dtype}
+    merged = insert(fsdp.all_gather_into.default, shards, padded_numels, world_size, group_name, **options)
     per_rank = insert(aten.view.default, merged, [world_size, -1])
     split = insert(aten.split_with_sizes.default, per_rank, padded_numels, 1)
     new_nodes, replaced = [merged, per_rank, split], []
@@ -143,8 +149,7 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnn
 
 
 def _reduce_scatter_args(node: fx.Node) -> tuple:
-    unsharded_grad, world_size, group_name, *rest = node.args
-    return unsharded_grad, world_size, group_name, rest[0] if rest else node.kwargs.get("reduce_op", "avg")
+    return (*node.args[:3], op_argument(node, "reduce_op"))
 
 
 def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: GroupAnnotation) -> None:

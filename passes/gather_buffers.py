@@ -198,7 +198,9 @@ def _exchange_grads_in_place(graph: fx.Graph, exchange: fx.Node) -> bool:
         or wait.target is not c10d.wait_tensor.default
     ):
         return False
-    unsharded_grads, world_size = reduction_input.args
+    unsharded_grads, world_size = reduction_input.args[:2]
+    if reduction_input.meta["val"].dtype != unsharded_grads[0].meta["val"].dtype:
+        return False  # a mixed-precision reduction's cast: the exchange sends the cast buffer
     insert = NodeInserter(graph, exchange, exchange)
     received = insert(aten.new_empty.default, unsharded_grads[0], list(exchange.meta["val"].shape))
     insert(fsdp.all_to_all_grads_.default, received, unsharded_grads, world_size, group_name)
@@ -233,8 +235,9 @@ def gather_buffers(graph: fx.Graph) -> int:
         if not is_concrete_int(reduction_input.meta["val"].numel()):
             continue
         insert = NodeInserter(graph, reduction_input, reduction_input)
-        unsharded_grads, world_size = reduction_input.args
-        buffer = insert(aten.new_empty.default, unsharded_grads[0], [reduction_input.meta["val"].numel()])
+        unsharded_grads, world_size = reduction_input.args[:2]
+        value = reduction_input.meta["val"]
+        buffer = insert(aten.new_empty.default, unsharded_grads[0], [value.numel()], dtype=value.dtype)
         insert(fsdp.reduce_scatter_input_into_.default, buffer, unsharded_grads, world_size)
         reduction_input.replace_all_uses_with(buffer)
         graph.erase_node(reduction_input)

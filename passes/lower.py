@@ -25,16 +25,21 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compile_shard._layout import padded_rows
 from compile_shard.ops import reduces_by_all_to_all
 
-from ._graph import VIEWS, NodeInserter, c10d, fsdp
+from ._graph import VIEWS, NodeInserter, c10d, cast_dtype, fsdp, op_argument
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     shards, padded_numels, world_size, group_name = node.args[:4]
+    param_dtype = op_argument(node, "param_dtype")
     insert = NodeInserter(graph, node, node)
-    padded = []
+    casts, padded = [], []
     for shard, padded_numel in zip(shards, padded_numels):
+        if param_dtype is not None and param_dtype != shard.meta["val"].dtype:
+            shard = insert(prims.convert_element_type.default, shard, param_dtype)
+            casts.append(shard)
         flat = insert(aten.reshape.default, shard, [-1])
         numel = shard.meta["val"].numel()
         if is_concrete_int(numel):
@@ -50,7 +55,7 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     all_gather = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
         # Save the gathered parameters only, not the copy-in buffers or the un-waited collective.
-        for copy_in_node in [*padded, all_gather_input, all_gather]:
+        for copy_in_node in [*casts, *padded, all_gather_input, all_gather]:
             copy_in_node.meta.pop("recompute", None)
     node.replace_all_uses_with(insert(c10d.wait_tensor.default, all_gather))
     graph.erase_node(node)
@@ -134,22 +139,26 @@ def _erase_unused_padding(graph: fx.Graph, node: fx.Node) -> None:
     stack = [node]
     while stack:
         node = stack.pop()
-        if node.op == "call_function" and not node.users and node.target in (*VIEWS, *_PADDING):
+        if node.op == "call_function" and not node.users and (node.target in (*VIEWS, *_PADDING) or cast_dtype(node)):
             inputs = node.all_input_nodes
             graph.erase_node(node)
             stack.extend(inputs)
 
 
 def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
-    unsharded_grad, world_size, group_name, *rest = node.args
-    reduce_op = rest[0] if rest else node.kwargs.get("reduce_op", "avg")
+    unsharded_grad, world_size, group_name = node.args[:3]
+    reduce_op = op_argument(node, "reduce_op")
     insert = NodeInserter(graph, node, node)
     autograd_input = unsharded_grad
-    gradients = _reduction_gradients(unsharded_grad, world_size) if isinstance(world_size, int) else None
-    if gradients is not None and {g.meta["val"].dtype for g in gradients} != {unsharded_grad.meta["val"].dtype}:
+    # A mixed-precision reduction casts the gradient first ([Note: mixed-precision reduction]).
+    reduce_dtype = cast_dtype(unsharded_grad)
+    laid_out = unsharded_grad if reduce_dtype is None else unsharded_grad.args[0]
+    gradients = _reduction_gradients(laid_out, world_size) if isinstance(world_size, int) else None
+    if gradients is not None and {g.meta["val"].dtype for g in gradients} != {laid_out.meta["val"].dtype}:
         gradients = None  # a cat that promoted dtypes: not a group's input
     if gradients is not None:  # [Note: one reduction input per group] in compile_shard.ops
-        unsharded_grad = insert(fsdp.reduce_scatter_input.default, gradients, world_size)
+        dtype = () if reduce_dtype is None else (reduce_dtype,)
+        unsharded_grad = insert(fsdp.reduce_scatter_input.default, gradients, world_size, *dtype)
     shard_numel = node.meta["val"].numel()
     if reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
         split_sizes = [int(shard_numel)] * world_size

@@ -18,6 +18,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from compile_shard import fully_shard
 from compile_shard.debug import dump_graphs
@@ -57,6 +58,11 @@ def _reused_block(**kwargs):
     model = ReusedBlockModel()
     _shard([model.block, model], **kwargs)
     return model, torch.randn(4, 6)
+
+
+def _mlp_bf16(**kwargs):
+    """FSDP2's usual mixed precision: bf16 all-gathers and compute, fp32 reductions."""
+    return _mlp(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), **kwargs)
 
 
 MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "reused_block": _reused_block}
@@ -120,3 +126,11 @@ def test_golden_graphs_with_compile_regions(world_size, tmp_path):
     """settings.compile_regions: both blocks call one region, whose body follows each graph."""
     name = f"llama2_tied_ws{world_size}_reshard_regions"
     _assert_golden(name, _staged_graphs(_llama, world_size, True, tmp_path, compile_regions=True))
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no_reshard"])
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_golden_graphs_with_mixed_precision(world_size, reshard_after_forward, tmp_path):
+    """bf16 parameters, fp32 reductions: the copy-in casts, the reduction input casts while it lays out."""
+    name = f"mlp3_uneven_bf16_ws{world_size}_{'reshard' if reshard_after_forward else 'no_reshard'}"
+    _assert_golden(name, _staged_graphs(_mlp_bf16, world_size, reshard_after_forward, tmp_path))

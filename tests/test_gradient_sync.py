@@ -21,7 +21,7 @@ CONFIG = LlamaConfig()
 GROUPS = CONFIG.n_layers + 1
 
 
-def _accumulate(model, runnable, step, rank, world_size):
+def accumulate_micro_batches(model, runnable, step, rank, world_size):
     """One step of MICRO_BATCHES micro-batches, sync on the last only; returns the reduce-scatter count."""
     tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
     local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
@@ -37,7 +37,7 @@ def _eager_worker(rank, world_size, reshard):
     theirs, _ = build_sharded_llama(CONFIG, shard=torch_fully_shard, block_reshard=reshard)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     for step in range(2):
-        reductions = [_accumulate(model, model, step, rank, world_size) for model in (ours, theirs)]
+        reductions = [accumulate_micro_batches(model, model, step, rank, world_size) for model in (ours, theirs)]
         assert reductions[0] == GROUPS, reductions
         for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
             torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)

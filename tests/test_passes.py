@@ -248,6 +248,41 @@ def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_i
     verify(graph_module.graph)
 
 
+def test_lower_casts_each_shard_in_the_copy_in_under_mixed_precision():
+    def fn(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into(
+            [shard_w, shard_b], [12, 2], WORLD, GROUP, param_dtype=torch.bfloat16
+        )
+        return gathered.float().sum() + x.sum()
+
+    graph_module = trace(fn, *_shards())
+    lower(graph_module.graph)
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    assert gather.meta["val"].dtype == torch.bfloat16
+    casts = graph_module.graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
+    assert [cast.args for cast in casts] == [(shard, torch.bfloat16) for shard in graph_module.graph.find_nodes(op="placeholder")[:2]]
+    verify(graph_module.graph)
+
+
+def test_lower_lays_out_a_cast_reduction_input_in_the_reduction_dtype():
+    """A bf16 group reduced in fp32: the cast moves into the reduction input ([Note: mixed-precision reduction])."""
+
+    def fn(weight_grad, bias_grad):
+        flat = _uneven_group_input(weight_grad, bias_grad).to(torch.float32)
+        return torch.ops.fsdp.reduce_scatter_grad(flat, WORLD, GROUP)
+
+    gradients = [torch.randn(5, 4, dtype=torch.bfloat16), torch.randn(3, dtype=torch.bfloat16)]
+    graph_module = trace(fn, *gradients)
+    lower(graph_module.graph)
+    (replacement,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    assert replacement.args == (graph_module.graph.find_nodes(op="placeholder"), WORLD, torch.float32)
+    assert replacement.meta["val"].dtype == torch.float32
+    assert not [n for n in graph_module.graph.nodes if n.target in (aten._to_copy.default, aten.cat.default)]
+    expected = _uneven_group_input(*gradients).to(torch.float32)
+    assert torch.equal(torch.ops.fsdp.reduce_scatter_input(gradients, WORLD, torch.float32), expected)
+    verify(graph_module.graph)
+
+
 def test_lower_keeps_a_reduction_input_that_is_not_rank_major_padding():
     def fn(weight_grad, bias_grad):
         # Rows padded in front, not at the end: not the copy-out's layout.

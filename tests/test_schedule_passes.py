@@ -453,6 +453,31 @@ def test_gather_buffers_gives_each_reduction_input_a_planned_buffer_with_the_sam
     assert torch.equal(graph_module(*gradients), expected)
 
 
+def test_gather_buffers_plans_a_cast_reduction_input_in_the_reduction_dtype(monkeypatch):
+    """Mixed precision: bf16 gradients laid out in fp32; on gloo the exchange sends that buffer, not the gradients."""
+    for name in ("lower", "gather_buffers"):  # a gloo group
+        monkeypatch.setattr(importlib.import_module(f"compile_shard.passes.{name}"), "reduces_by_all_to_all", lambda *_: True)
+
+    def fn(weight_grad, bias_grad):
+        reduction_input = torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], WORLD, torch.float32)
+        return torch.ops.fsdp.reduce_scatter_grad(reduction_input, WORLD, GROUP)
+
+    gradients = [torch.randn(5, 4, dtype=torch.bfloat16), torch.randn(4, dtype=torch.bfloat16)]
+    graph_module = trace(fn, *gradients)
+    lower(graph_module.graph)
+    assert gather_buffers(graph_module.graph) == 2  # the exchange and the reduction input
+    verify(graph_module.graph)
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.all_to_all_grads_.default)
+    (fill,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input_into_.default)
+    buffer = fill.args[0]
+    assert buffer.meta["val"].dtype == torch.float32 and buffer.meta["val"].shape == (2 * (12 + 2),)
+    (exchange,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_to_all_into_.default)
+    assert exchange.args[1] is buffer
+    expected = torch.empty(28)
+    torch.ops.fsdp.reduce_scatter_input_into_(expected, gradients, WORLD)
+    assert torch.equal(expected, torch.ops.fsdp.reduce_scatter_input(gradients, WORLD).float())
+
+
 def _gather_use_and_reduce(world_size=WORLD, group_name=GROUP):
     """A group of a (5, 4) weight and a (5,) bias gathered and copied out as the runtime traces it, and a reduction."""
     padded_rows = -(-5 // world_size)

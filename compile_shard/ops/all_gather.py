@@ -9,6 +9,7 @@ replaces a group's copy-in, all-gather and copy-out in gloo's compiled graphs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,8 @@ from .transport import _Exchange, _padded_flat
 _lib.define(
     "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
     "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
-    "Tensor? accumulated_grad=None, bool reduce_grads=True) -> Tensor"
+    "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
+    "ScalarType? reduce_dtype=None) -> Tensor"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -33,8 +35,12 @@ _lib.define(
 )
 
 
-def _copy_in(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> torch.Tensor:
-    """Flattens, pads and concatenates one rank's shards: the all-gather input."""
+def _copy_in(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], param_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """Casts to ``param_dtype``, flattens, pads and concatenates one rank's shards: the all-gather input."""
+    if param_dtype is not None:
+        shards = [shard.to(param_dtype) for shard in shards]
     return torch.cat(
         [F.pad(shard.reshape(-1), (0, numel - shard.numel())) for shard, numel in zip(shards, padded_numels)]
     )
@@ -53,9 +59,9 @@ def _check_shards(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) 
 # all_gather_into ---------------------------------------------------------------------
 
 
-def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *reduction):
+def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
     _check_shards(shards, padded_numels)
-    all_gather_input = _copy_in(shards, padded_numels)
+    all_gather_input = _copy_in(shards, padded_numels, _Options(*options).param_dtype)
     funcol = torch.ops._c10d_functional
     if gathers_by_send_recv(group_name, all_gather_input.device):
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
@@ -65,25 +71,32 @@ def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *redu
     return funcol.wait_tensor(all_gather_output)
 
 
-def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *reduction):
+def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *options):
     _check_shards(shards, padded_numels)
-    return shards[0].new_empty(world_size * sum(padded_numels))
+    return shards[0].new_empty(world_size * sum(padded_numels), dtype=_Options(*options).param_dtype)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """``all_gather_into``'s optional arguments, defaults filled in (a call passes any leading part)."""
+
+    reduce_op: str = "avg"
+    premul_factor: float = 1.0
+    postdivide_factor: float = 1.0
+    accumulated_grad: torch.Tensor | None = None
+    reduce_grads: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 def _all_gather_into_setup_context(ctx, inputs, output):
-    shards, padded_numels, world_size, group_name, *reduction = inputs
+    shards, padded_numels, world_size, group_name, *options = inputs
     ctx.shard_shapes = [shard.shape for shard in shards]
+    ctx.shard_dtype = shards[0].dtype
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
-    ctx.reduce_op, ctx.premul_factor, ctx.postdivide_factor, ctx.accumulated_grad, ctx.reduce_grads = _reduction(
-        reduction
-    )
-
-
-def _reduction(given: Sequence) -> tuple:
-    """``all_gather_into``'s reduction arguments, defaults filled in."""
-    return (*given, *("avg", 1.0, 1.0, None, True)[len(given) :])
+    ctx.options = _Options(*options)
 
 
 def _all_gather_into_backward(ctx, all_gather_output_grad):
@@ -102,18 +115,33 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     gradient before the reduction, FSDP2's ``set_requires_gradient_sync(False)``.
     The buffer is a forward input that only the backward writes: AOTAutograd keeps
     such a write in the compiled backward graph.
+
+    [Note: mixed-precision reduction]
+    FSDP2's ``MixedPrecisionPolicy``: the copy-in casts the shards to ``param_dtype``,
+    so the all-gather output and its gradient are in ``param_dtype``. The backward
+    casts that gradient to ``reduce_dtype`` (accumulating without sync in it too),
+    reduces, and casts the sharded gradient back to the shards' dtype, in FSDP2's
+    order. Casting up to ``reduce_dtype`` is exact, so casting before the rank-major
+    layout (as here) or while building it (``reduce_scatter_input``'s ``dtype``, what
+    ``lower`` emits) gives the same bits.
     """
+    options = ctx.options
     unsharded_grad = all_gather_output_grad.contiguous()
-    if not ctx.reduce_grads:
-        ctx.accumulated_grad.add_(unsharded_grad)
+    if options.reduce_dtype is not None:
+        unsharded_grad = unsharded_grad.to(options.reduce_dtype)
+    if not options.reduce_grads:
+        options.accumulated_grad.add_(unsharded_grad)
         return [None] * len(ctx.shard_shapes), *[None] * (len(ctx.needs_input_grad) - 1)
-    if ctx.accumulated_grad is not None:
-        unsharded_grad = unsharded_grad + ctx.accumulated_grad
-    if ctx.premul_factor != 1.0:
-        unsharded_grad = unsharded_grad * ctx.premul_factor
-    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, ctx.world_size, ctx.group_name, ctx.reduce_op)
-    if ctx.postdivide_factor != 1.0:
-        sharded_grad = sharded_grad / ctx.postdivide_factor
+    if options.accumulated_grad is not None:
+        unsharded_grad = unsharded_grad + options.accumulated_grad
+    if options.premul_factor != 1.0:
+        unsharded_grad = unsharded_grad * options.premul_factor
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
+        unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
+    )
+    if options.postdivide_factor != 1.0:
+        sharded_grad = sharded_grad / options.postdivide_factor
+    sharded_grad = sharded_grad.to(ctx.shard_dtype)
     shard_grads = [
         padded_grad[: shape.numel()].view(shape)
         for padded_grad, shape in zip(sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes)

@@ -27,7 +27,9 @@ _lib.define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
     "str reduce_op='avg') -> Tensor"
 )
-_lib.define("reduce_scatter_input(Tensor[] unsharded_grads, SymInt world_size) -> Tensor")
+_lib.define(
+    "reduce_scatter_input(Tensor[] unsharded_grads, SymInt world_size, ScalarType? dtype=None) -> Tensor"
+)
 _lib.define("reduce_scatter_input_into_(Tensor(a!) output, Tensor[] unsharded_grads, SymInt world_size) -> ()")
 _lib.define("all_to_all_into_(Tensor(a!) output, Tensor input, SymInt world_size, str group_name) -> ()")
 _lib.define("sum_shards(Tensor received, SymInt world_size, str reduce_op='avg') -> Tensor")
@@ -91,7 +93,8 @@ def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
 # A group's reduction input is every unsharded gradient padded on dim 0 to a multiple
 # of world_size and laid out rank-major, ``[rank 0: g0 g1 ..., rank 1: g0 g1 ...]``:
 # the layout the all-gather's copy-out reads, and what FSDP2 builds with
-# ``torch._chunk_cat``. Autograd spells it as the backward of the copy-out's views
+# ``torch._chunk_cat``, casting to the reduction's dtype when it differs from the
+# gradients' (``dtype``; [Note: mixed-precision reduction]). Autograd spells it as the backward of the copy-out's views
 # (zero padding, ``view(world_size, -1)``, ``cat`` on dim 1); the ``lower`` pass
 # replaces that with this op. Left as aten ops, Inductor fuses each gradient's piece
 # into whichever kernel produced the gradient, differently in each block position
@@ -118,18 +121,22 @@ def _reduce_scatter_input_numel(unsharded_grads: Sequence[torch.Tensor], world_s
     return world_size * sum(padded_rows(grad.size(0), world_size) * grad[0].numel() for grad in unsharded_grads)
 
 
-def _reduce_scatter_input_kernel(unsharded_grads, world_size):
+def _reduce_scatter_input_kernel(unsharded_grads, world_size, dtype=None):
     _check_grads("reduce_scatter_input", unsharded_grads)
-    return torch._chunk_cat(unsharded_grads, 0, world_size).view(-1)
+    if dtype is None or dtype == unsharded_grads[0].dtype:
+        return torch._chunk_cat(unsharded_grads, 0, world_size).view(-1)
+    output = unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size), dtype=dtype)
+    torch._chunk_cat(unsharded_grads, 0, world_size, out=output.view(world_size, -1))
+    return output
 
 
-def _reduce_scatter_input_meta(unsharded_grads, world_size):
+def _reduce_scatter_input_meta(unsharded_grads, world_size, dtype=None):
     _check_grads("reduce_scatter_input", unsharded_grads)
-    return unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size))
+    return unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size), dtype=dtype)
 
 
-def _check_rank_major_output(op_name: str, output, unsharded_grads, world_size) -> None:
-    """``output`` can hold ``reduce_scatter_input(unsharded_grads, world_size)``."""
+def _check_rank_major_output(op_name: str, output, unsharded_grads, world_size, *, casts: bool = False) -> None:
+    """``output`` can hold ``reduce_scatter_input(unsharded_grads, world_size)``, in their dtype unless ``casts``."""
     _check_grads(op_name, unsharded_grads)
     numel = _reduce_scatter_input_numel(unsharded_grads, world_size)
     torch._check(
@@ -138,16 +145,17 @@ def _check_rank_major_output(op_name: str, output, unsharded_grads, world_size) 
             f"fsdp::{op_name}: needs a contiguous 1-D output of {numel} elements, got shape {tuple(output.shape)}"
         ),
     )
-    _check_same_dtype(op_name, output, unsharded_grads[0])
+    if not casts:
+        _check_same_dtype(op_name, output, unsharded_grads[0])
 
 
 def _reduce_scatter_input_into_kernel(output, unsharded_grads, world_size):
-    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size)
+    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size, casts=True)
     torch._chunk_cat(unsharded_grads, 0, world_size, out=output.view(world_size, -1))
 
 
 def _reduce_scatter_input_into_meta(output, unsharded_grads, world_size):
-    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size)
+    _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size, casts=True)
 
 
 # all_to_all_into_ --------------------------------------------------------------------
