@@ -54,6 +54,11 @@ Figures are printed with their ratio to ``fsdp2_eager``; ``--json`` writes every
 ``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
 backward (FSDP2's ``reshard_after_forward=False``): one all-gather per block and step
 instead of two, DDP's bytes per step.
+``--mp bf16`` trains every mode in FSDP2's usual mixed precision, bf16 parameters and
+compute with fp32 reductions: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`` on every ``fully_shard`` call of both FSDP
+implementations, DDP's own ``mixed_precision`` with the same dtypes (its buffers too).
+The reference stays fp32, so the loss difference shows the policy's deviation.
 With ``--device cuda`` (or ``--fake-world-size``) one process per mode runs rank 0 of a
 fake process group: steps then measure compute, copies and launch overhead without
 communication, losses are not compared (the fake group moves no data), the reference
@@ -90,8 +95,10 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _MixedPrecision as _DDPMixedPrecision
 
 import compile_shard.passes
 from compile_shard._collectives import KINDS, node_collective
@@ -156,12 +163,19 @@ class BuildContext:
     backend: str | Callable | None
     #: For the blocks of the FSDP modes; the root keeps FSDP2's default (not resharded).
     reshard_after_forward: bool = True
+    #: ``--mp``: the dtype of parameters and compute (reductions stay fp32); None: fp32 throughout.
+    param_dtype: torch.dtype | None = None
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        if self.param_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
 
 
 def _build_cs(model: Llama, ctx: BuildContext) -> nn.Module:
     for block in model.layers:
-        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward)
-    return fully_shard(model, mesh=ctx.mesh)
+        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward, mp_policy=ctx.mp_policy())
+    return fully_shard(model, mesh=ctx.mesh, mp_policy=ctx.mp_policy())
 
 
 def _build_cs_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
@@ -170,8 +184,10 @@ def _build_cs_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
 
 def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
     for block in model.layers:
-        torch_fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward)
-    return torch_fully_shard(model, mesh=ctx.mesh)
+        torch_fully_shard(
+            block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_after_forward, mp_policy=ctx.mp_policy()
+        )
+    return torch_fully_shard(model, mesh=ctx.mesh, mp_policy=ctx.mp_policy())
 
 
 def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
@@ -182,11 +198,14 @@ def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
 
 
 def _build_ddp(model: Llama, ctx: BuildContext) -> nn.Module:
-    return DistributedDataParallel(model)
+    if ctx.param_dtype is None:
+        return DistributedDataParallel(model)
+    dtypes = _DDPMixedPrecision(param_dtype=ctx.param_dtype, reduce_dtype=torch.float32, buffer_dtype=ctx.param_dtype)
+    return DistributedDataParallel(model, mixed_precision=dtypes)
 
 
 def _build_ddp_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
-    return torch.compile(DistributedDataParallel(model), backend=ctx.backend)
+    return torch.compile(_build_ddp(model, ctx), backend=ctx.backend)
 
 
 def _build_reference(model: Llama, ctx: BuildContext) -> nn.Module:
@@ -475,6 +494,7 @@ class Plan:
     port: int
     result_path: str
     reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
 
 
 def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -628,7 +648,9 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     recorder = GraphRecorder(plan.backend, keep_graphs=plan.fake and mode.counted_in_graphs)
     overlap_off = _switch_off_overlap_passes() if mode.overlap_off else None
     compile_shard.passes.settings.compile_regions = mode.compile_regions
-    ctx = BuildContext(_mesh(plan), recorder.backend() if mode.compiled else None, plan.reshard_after_forward)
+    ctx = BuildContext(
+        _mesh(plan), recorder.backend() if mode.compiled else None, plan.reshard_after_forward, plan.param_dtype
+    )
     torch.manual_seed(0)
     model = Llama(plan.config.llama()).to(device)
     runnable = mode.build(model, ctx)
@@ -874,6 +896,7 @@ def _describe(report: dict) -> str:
         f"backend {report['backend']}, {report['threads_per_process']} thread(s)/process; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps; times: slowest rank; (x): ratio to {BASELINE_MODE}"
         + ("" if report["reshard_after_forward"] else "; FSDP blocks not resharded after forward")
+        + ("; bf16 parameters and compute, fp32 reductions (--mp bf16)" if report["mixed_precision"] == "bf16" else "")
     )
 
 
@@ -925,6 +948,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
         dest="reshard_after_forward",
         action="store_false",
         help="the FSDP modes' blocks keep their parameters gathered from forward to backward (default: resharded)",
+    )
+    parser.add_argument(
+        "--mp",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: FSDP2's mixed precision (bf16 parameters and compute, fp32 reductions) in every mode",
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
@@ -995,6 +1024,7 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "backend": args.backend,
         "cost_profile": args.cost_profile if fake else None,
         "reshard_after_forward": args.reshard_after_forward,
+        "mixed_precision": args.mp,
         "threads_per_process": threads,
         "torch": torch.__version__,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
@@ -1021,6 +1051,7 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
                 port=_free_port(),
                 result_path=str(Path(scratch) / f"{name}.json"),
                 reshard_after_forward=args.reshard_after_forward,
+                param_dtype=torch.bfloat16 if args.mp == "bf16" else None,
             )
             start = time.perf_counter()
             results[name] = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)

@@ -596,16 +596,18 @@ def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any
         )
 
 
-def _check_one_dtype(label: str, named: dict[str, nn.Parameter]) -> None:
+def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
+    """Trainable parameters share one dtype: their gradients are reduced as one buffer (FSDP2's rule)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for fqn, param in named.items():
-        by_dtype.setdefault(param.dtype, []).append(fqn)
+        if param.requires_grad:
+            by_dtype.setdefault(param.dtype, []).append(fqn)
     if len(by_dtype) > 1:
         listing = "; ".join(f"{dtype}: {', '.join(fqns)}" for dtype, fqns in by_dtype.items())
         raise ValueError(
-            f"fully_shard({label}): one group is all-gathered as one buffer and needs one "
-            f"dtype, but got {listing}. Cast the module to one dtype, or apply fully_shard to the "
-            "submodules with the other dtype first"
+            f"fully_shard({label}): the trainable parameters of one group are reduce-scattered as one buffer "
+            f"and need one dtype, but got {listing}. Cast them to one dtype, freeze the others "
+            "(requires_grad_(False)), or apply fully_shard to the submodules with the other dtype first"
         )
 
 
@@ -660,7 +662,7 @@ def fully_shard(
                 f"covers {mesh.device_type!r} devices; move the module to {mesh.device_type!r} (or keep it "
                 "on meta and materialize it later) before fully_shard"
             )
-    _check_one_dtype(label, named)
+    _check_trainable_dtypes(label, named)
     for fqn, param in named.items():
         placement = None if shard_placement_fn is None else shard_placement_fn(param)
         if placement is not None and placement != Shard(0):

@@ -62,22 +62,57 @@ class GradientReduction:
         )
 
 
-def _mixed_precision_dtypes(
-    fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy
-) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """The group's ``param_dtype`` and ``reduce_dtype``, each None where FSDP2 clamps it to no cast.
+@dataclass(frozen=True)
+class AllGatherPart:
+    """The parameters of a group that one ``fsdp::all_gather_into`` gathers.
 
-    No ``reduce_dtype`` when it equals ``param_dtype`` (gradients are computed in it);
-    no ``param_dtype`` when it equals the parameters' dtype, or for non-floating
-    parameters.
+    [Note: one all-gather per wire dtype]
+    An all-gather moves one dtype: the parameters' ``param_dtype`` under mixed
+    precision, else their own. A group whose parameters arrive in several dtypes (frozen
+    bf16 weights beside trainable fp32 adapters) gathers once per dtype, in the order
+    the parameters first appear; FSDP2 packs them as bytes into one all-gather instead
+    (the same bytes, one collective fewer), which would leave autograd without a
+    floating-point output to differentiate. Trainable parameters share one dtype
+    (``fully_shard`` checks it, as FSDP2 does at its first forward), so one part at
+    most takes gradients and the group still has one reduce-scatter.
     """
-    dtype = fsdp_params[0].sharded_param.dtype
-    param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
-    if reduce_dtype == param_dtype:
-        reduce_dtype = None
-    if param_dtype == dtype or not dtype.is_floating_point:
-        param_dtype = None
-    return param_dtype, reduce_dtype
+
+    indices: tuple[int, ...]
+    padded_numels: list[int]
+    unsharded_shapes: list[torch.Size]
+    #: ``all_gather_into``'s cast: the part's dtype where a shard is in another, else None.
+    param_dtype: torch.dtype | None
+
+
+def _wire_dtype(fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
+    """What the parameter is all-gathered and computed in: ``param_dtype`` for floating-point parameters (FSDP2)."""
+    dtype = fsdp_param.sharded_param.dtype
+    return mp_policy.param_dtype if mp_policy.param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def _all_gather_parts(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> list[AllGatherPart]:
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, fsdp_param in enumerate(fsdp_params):
+        by_dtype.setdefault(_wire_dtype(fsdp_param, mp_policy), []).append(index)
+    parts = []
+    for dtype, indices in by_dtype.items():
+        params = [fsdp_params[index] for index in indices]
+        casts = any(fsdp_param.sharded_param.dtype != dtype for fsdp_param in params)
+        parts.append(
+            AllGatherPart(
+                tuple(indices),
+                [fsdp_param.padded_numel for fsdp_param in params],
+                [fsdp_param.unsharded_shape for fsdp_param in params],
+                dtype if casts else None,
+            )
+        )
+    return parts
+
+
+def _gradient_dtype(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> torch.dtype:
+    """The dtype of the group's unsharded gradients: its trainable parameters' wire dtype."""
+    trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
+    return _wire_dtype((trainable or fsdp_params)[0], mp_policy)
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -108,10 +143,17 @@ class UnshardedParams:
     must not fire.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], all_gather_output: torch.Tensor):
+    def __init__(self, tensors: list[torch.Tensor], all_gather_outputs: list[torch.Tensor]):
         self.tensors = tensors
         self.storage_nbytes = [t.untyped_storage().nbytes() for t in tensors]
-        self.all_gather_node = all_gather_output.grad_fn
+        nodes = [out.grad_fn for out in all_gather_outputs if out.grad_fn is not None]
+        self.takes_gradients = bool(nodes)
+        # The node whose backward ends the group's backward: the all-gather's, where every
+        # part takes gradients. A part that takes none (frozen parameters beside trainable
+        # ones, [Note: one all-gather per wire dtype]) may still be read by a backward node
+        # that runs after it, so such a group ends its backward on its inputs instead, as a
+        # frozen group does ([Note: post-backward of a frozen group]).
+        self.all_gather_node = nodes[0] if len(nodes) == len(all_gather_outputs) else None
         self.is_freed = False
         self.backward_done = False
 
@@ -164,14 +206,16 @@ class FSDPParamGroup:
         self.module_name = module_name
         self.mesh = mesh
         self.world_size = mesh.size()
-        # Fixed at sharding time; held here so a trace reads one constant per group.
-        self.padded_numels = [fsdp_param.padded_numel for fsdp_param in fsdp_params]
-        self.unsharded_shapes = [fsdp_param.unsharded_shape for fsdp_param in fsdp_params]
         self.group_name = mesh.get_group().group_name
         self.reshard_after_forward = reshard_after_forward
-        # FSDP2's MixedPrecisionPolicy as the all-gather applies it ([Note: mixed-precision
-        # reduction] in compile_shard.ops): None where no cast is needed, as FSDP2 clamps them.
-        self.param_dtype, self.reduce_dtype = _mixed_precision_dtypes(fsdp_params, mp_policy)
+        # Fixed at sharding time; held here so a trace reads constants per group.
+        self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
+        # FSDP2's MixedPrecisionPolicy as the reduction applies it ([Note: mixed-precision
+        # reduction] in compile_shard.ops): the dtype gradients are computed in (the
+        # trainable parameters' all-gather dtype), and ``reduce_dtype``, None where it is
+        # that dtype already (FSDP2 clamps it so).
+        self.gradient_dtype = _gradient_dtype(fsdp_params, mp_policy)
+        self.reduce_dtype = None if mp_policy.reduce_dtype in (None, mp_policy.param_dtype) else mp_policy.reduce_dtype
         # FSDP2's knobs for the gradient reduction (set_gradient_divide_factor and
         # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
         self.gradient_divide_factor: float | None = None
@@ -204,19 +248,23 @@ class FSDPParamGroup:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Allocates the accumulation buffer here, in eager Python, so that a trace only reads it."""
         self.requires_gradient_sync = requires_gradient_sync
-        if not requires_gradient_sync and self.accumulated_grad is None and self._takes_gradients():
-            numel = self.world_size * sum(self.padded_numels)
+        part = self._part_taking_gradients()
+        if not requires_gradient_sync and self.accumulated_grad is None and part is not None:
+            numel = self.world_size * sum(part.padded_numels)
             self.accumulated_grad = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
 
     @property
     def reduction_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
-        return self.reduce_dtype or self.param_dtype or self.fsdp_params[0].sharded_param.dtype
+        return self.reduce_dtype or self.gradient_dtype
 
-    def _takes_gradients(self) -> bool:
-        return any(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
+    def _takes_gradients(self, part: AllGatherPart) -> bool:
+        return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
 
-    def _all_gather_options(self) -> tuple:
+    def _part_taking_gradients(self) -> AllGatherPart | None:
+        return next((part for part in self.all_gather_parts if self._takes_gradients(part)), None)
+
+    def _all_gather_options(self, part: AllGatherPart) -> tuple:
         """``fsdp::all_gather_into``'s optional arguments, trailing defaults left out (graphs show what differs).
 
         A gathering with gradients takes the accumulated gradient with it (the group
@@ -225,7 +273,7 @@ class FSDPParamGroup:
         """
         reduction = self.gradient_reduction
         accumulated_grad, reduce_grads = None, True
-        if self.accumulated_grad is not None and torch.is_grad_enabled() and self._takes_gradients():
+        if self.accumulated_grad is not None and torch.is_grad_enabled() and self._takes_gradients(part):
             accumulated_grad, reduce_grads = self.accumulated_grad, self.requires_gradient_sync
             if reduce_grads:
                 self.accumulated_grad = None
@@ -235,7 +283,7 @@ class FSDPParamGroup:
             reduction.postdivide_factor,
             accumulated_grad,
             reduce_grads,
-            self.param_dtype,
+            part.param_dtype,
             self.reduce_dtype,
         )
         defaults = ("avg", 1.0, 1.0, None, True, None, None)
@@ -253,17 +301,20 @@ class FSDPParamGroup:
 
     # Collectives ------------------------------------------------------------------
 
-    def _all_gather(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """All-gathers the group and copies out one tensor per parameter."""
-        shards = [fsdp_param.all_gather_shard() for fsdp_param in self.fsdp_params]
-        all_gather_output = ops.all_gather_into(
-            shards, self.padded_numels, self.world_size, self.group_name, *self._all_gather_options()
-        )
-        per_rank = all_gather_output.view(self.world_size, -1).split(self.padded_numels, dim=1)
-        unsharded = [
-            _unpadded(chunk.reshape(-1, *shape[1:]), shape[0]) for chunk, shape in zip(per_rank, self.unsharded_shapes)
-        ]
-        return unsharded, all_gather_output
+    def _all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """All-gathers the group (one collective per part) and copies out one tensor per parameter."""
+        unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
+        all_gather_outputs = []
+        for part in self.all_gather_parts:
+            shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
+            all_gather_output = ops.all_gather_into(
+                shards, part.padded_numels, self.world_size, self.group_name, *self._all_gather_options(part)
+            )
+            per_rank = all_gather_output.view(self.world_size, -1).split(part.padded_numels, dim=1)
+            for index, chunk, shape in zip(part.indices, per_rank, part.unsharded_shapes):
+                unsharded[index] = _unpadded(chunk.reshape(-1, *shape[1:]), shape[0])
+            all_gather_outputs.append(all_gather_output)
+        return unsharded, all_gather_outputs
 
     def traced_unsharded_params(self) -> list[torch.Tensor]:
         """The group's unsharded parameters inside a torch.compile trace.
@@ -303,8 +354,8 @@ class FSDPParamGroup:
         if self.unsharded is not None and self._needs_autograd_graph(self.unsharded):
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
-            tensors, all_gather_output = self._all_gather()
-            self.unsharded = UnshardedParams(tensors, all_gather_output)
+            tensors, all_gather_outputs = self._all_gather()
+            self.unsharded = UnshardedParams(tensors, all_gather_outputs)
             self._live.append(weakref.ref(self.unsharded))
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
@@ -316,7 +367,7 @@ class FSDPParamGroup:
 
     def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
         return (
-            unsharded.all_gather_node is None
+            not unsharded.takes_gradients
             and torch.is_grad_enabled()
             and any(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
         )
@@ -383,7 +434,7 @@ class FSDPParamGroup:
                 tensor.register_hook(hook)
 
     def register_post_backward_on_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """For a group that takes no gradient: frees its parameters once backward reaches the module's inputs.
+        """For a group with frozen parameters: frees its parameters once backward reaches the module's inputs.
 
         [Note: post-backward of a frozen group]
         A group whose parameters all have ``requires_grad=False`` gathers them
@@ -393,7 +444,9 @@ class FSDPParamGroup:
         answer, used here too: an identity autograd function on the inputs, whose
         backward runs once the module's backward has produced their gradients. A
         module whose inputs take no gradient has no backward to run; the root's final
-        callback reshards anything left (``finalize_backward``).
+        callback reshards anything left (``finalize_backward``). A group with frozen
+        parameters of another dtype than its trainable ones ends its backward here too
+        (``UnshardedParams.all_gather_node``).
         """
         unsharded = self.unsharded
         if (

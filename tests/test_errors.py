@@ -77,9 +77,10 @@ def test_a_data_parallel_slice_beside_pipeline_stages_is_accepted():
     fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
 
 
-def test_mixed_dtypes_in_one_group():
+def test_trainable_parameters_of_several_dtypes_in_one_group():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
-    with pytest.raises(ValueError, match=r"torch.float32: 0.weight, 0.bias; torch.float64: 1.weight, 1.bias"):
+    message = r"trainable parameters .* one dtype, but got torch.float32: 0.weight, 0.bias; torch.float64: 1.weight"
+    with pytest.raises(ValueError, match=message):
         fully_shard(model)
     fully_shard(model[1])  # the documented fix: shard the odd submodule first
     fully_shard(model)

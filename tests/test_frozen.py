@@ -8,6 +8,7 @@ group] in compile_shard/_group.py).
 
 import pytest
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
@@ -97,3 +98,63 @@ def test_frozen_layouts_match_torch_fsdp2(reshard):
 
 def test_frozen_layouts_compiled_match_eager():
     run_gloo(_compiled_worker, 2)
+
+
+class AdaptedBlock(torch.nn.Module):
+    """A frozen bf16 base layer beside a trainable fp32 adapter, in one group."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(16, 16).to(torch.bfloat16).requires_grad_(False)
+        self.adapter = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.base(x.to(torch.bfloat16)).to(x.dtype) + self.adapter(x)
+
+
+def _adapted(shard, mp_policy, reshard, backend=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(AdaptedBlock(), AdaptedBlock(), torch.nn.Linear(16, 4))
+    for block in model[:2]:
+        shard(block, mp_policy=mp_policy, reshard_after_forward=reshard)
+    shard(model, mp_policy=mp_policy)
+    return model, (model if backend is None else torch.compile(model, backend=backend, fullgraph=True))
+
+
+def _mixed_dtypes_worker(rank, world_size, mp_policy, reshard):
+    (ours, _), (theirs, _), (compiled_model, compiled) = (
+        _adapted(fully_shard, mp_policy, reshard),
+        _adapted(torch_fully_shard, mp_policy, reshard),
+        _adapted(fully_shard, mp_policy, reshard, backend="aot_eager"),
+    )
+    optimizers = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ours, theirs, compiled_model)
+    ]
+    for step in range(STEPS):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        outputs = [run(x) for run in (ours, theirs, compiled)]
+        for output in outputs:
+            output.float().square().mean().backward()
+        for name, param in ours.named_parameters():
+            others = [dict(m.named_parameters())[name] for m in (theirs, compiled_model)]
+            assert all((p.grad is None) == (param.grad is None) for p in others), name
+            assert (param.grad is None) == name.endswith(("base.weight", "base.bias")), name
+            if param.grad is not None:
+                for other in others:
+                    torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+        torch.testing.assert_close(outputs[0], outputs[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "mp_policy",
+    [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
+    ids=["own_dtypes", "bf16_policy"],
+)
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no_reshard"])
+def test_frozen_bf16_beside_trainable_fp32_matches_torch_fsdp2(mp_policy, reshard):
+    """[Note: one all-gather per wire dtype]: torch FSDP2's gradients and outputs, eager and compiled."""
+    run_gloo(_mixed_dtypes_worker, 2, mp_policy, reshard)

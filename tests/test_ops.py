@@ -30,6 +30,23 @@ def test_opcheck_all_gather_into(fake_pg):
     opcheck(torch.ops.fsdp.all_gather_into.default, (_uneven_shards(), [16, 3], 2, fake_pg))
 
 
+def test_opcheck_all_gather_into_with_mixed_precision(fake_pg):
+    """A bf16 all-gather of an fp32 and a bf16 shard, reduced in fp32: gradients in each shard's dtype."""
+    shards = [torch.randn(3, 4, requires_grad=True), torch.randn(2, dtype=torch.bfloat16, requires_grad=True)]
+    kwargs = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    opcheck(torch.ops.fsdp.all_gather_into.default, (shards, [16, 3], 2, fake_pg), kwargs)
+    output = torch.ops.fsdp.all_gather_into(shards, [16, 3], 2, fake_pg, **kwargs)
+    assert output.dtype == torch.bfloat16
+    output.float().sum().backward()
+    assert [shard.grad.dtype for shard in shards] == [torch.float32, torch.bfloat16]
+
+
+def test_all_gather_into_needs_a_param_dtype_for_shards_of_several_dtypes(fake_pg):
+    shards = [torch.randn(3, 4), torch.randn(2, dtype=torch.bfloat16)]
+    with pytest.raises(RuntimeError, match="fsdp::all_gather_into needs one dtype or a param_dtype"):
+        torch.ops.fsdp.all_gather_into(shards, [16, 3], 2, fake_pg)
+
+
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])
 def test_opcheck_reduce_scatter_grad(fake_pg, reduce_op):
     opcheck(torch.ops.fsdp.reduce_scatter_grad.default, (torch.randn(10, requires_grad=True), 2, fake_pg, reduce_op))
@@ -62,6 +79,7 @@ def _uneven_gradients():
 
 def test_opcheck_reduce_scatter_input():
     opcheck(torch.ops.fsdp.reduce_scatter_input.default, (_uneven_gradients(), 2))
+    opcheck(torch.ops.fsdp.reduce_scatter_input.default, (_uneven_gradients(), 2, torch.float64))
     opcheck(torch.ops.fsdp.reduce_scatter_input_into_.default, (torch.empty(26), _uneven_gradients(), 2))
 
 

@@ -177,15 +177,15 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
 
 
-def test_blocks_kept_gathered_after_forward(tmp_path_factory):
-    """``--no-reshard-after-forward`` reaches both FSDP implementations: backward gathers nothing."""
+def test_blocks_kept_gathered_after_forward_in_mixed_precision(tmp_path_factory):
+    """``--no-reshard-after-forward`` and ``--mp bf16`` reach both FSDP implementations: backward gathers nothing."""
     report = _run(
         tmp_path_factory,
         "no_reshard",
         *("--device", "cpu", "--fake-world-size", "2", "--modes", "cs_compiled,fsdp2_eager"),
-        "--no-reshard-after-forward",
+        *("--no-reshard-after-forward", "--mp", "bf16"),
     )
-    assert report["reshard_after_forward"] is False
+    assert report["reshard_after_forward"] is False and report["mixed_precision"] == "bf16"
     # 2 blocks and the root gather once, in forward; one reduce-scatter per group.
     expected = {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
     for name, result in report["modes"].items():

@@ -46,22 +46,29 @@ def _copy_in(
     )
 
 
-def _check_shards(shards: Sequence[torch.Tensor], padded_numels: Sequence[int]) -> None:
+def _check_shards(
+    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], param_dtype: torch.dtype | None = None
+) -> None:
+    """Shards of one dtype, or of any with a ``param_dtype`` to cast them all to."""
     torch._check(len(shards) > 0, lambda: "fsdp::all_gather_into needs at least one shard")
     torch._check(
         len(shards) == len(padded_numels),
         lambda: f"fsdp::all_gather_into got {len(shards)} shards but {len(padded_numels)} padded numels",
     )
     dtypes = {shard.dtype for shard in shards}
-    torch._check(len(dtypes) == 1, lambda: f"fsdp::all_gather_into needs one dtype, got {sorted(map(str, dtypes))}")
+    torch._check(
+        len(dtypes) == 1 or param_dtype is not None,
+        lambda: f"fsdp::all_gather_into needs one dtype or a param_dtype, got {sorted(map(str, dtypes))}",
+    )
 
 
 # all_gather_into ---------------------------------------------------------------------
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
-    _check_shards(shards, padded_numels)
-    all_gather_input = _copy_in(shards, padded_numels, _Options(*options).param_dtype)
+    param_dtype = _Options(*options).param_dtype
+    _check_shards(shards, padded_numels, param_dtype)
+    all_gather_input = _copy_in(shards, padded_numels, param_dtype)
     funcol = torch.ops._c10d_functional
     if gathers_by_send_recv(group_name, all_gather_input.device):
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
@@ -72,8 +79,9 @@ def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *opti
 
 
 def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *options):
-    _check_shards(shards, padded_numels)
-    return shards[0].new_empty(world_size * sum(padded_numels), dtype=_Options(*options).param_dtype)
+    param_dtype = _Options(*options).param_dtype
+    _check_shards(shards, padded_numels, param_dtype)
+    return shards[0].new_empty(world_size * sum(padded_numels), dtype=param_dtype)
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ class _Options:
 def _all_gather_into_setup_context(ctx, inputs, output):
     shards, padded_numels, world_size, group_name, *options = inputs
     ctx.shard_shapes = [shard.shape for shard in shards]
-    ctx.shard_dtype = shards[0].dtype
+    ctx.shard_dtypes = [shard.dtype for shard in shards]
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
@@ -141,10 +149,13 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     )
     if options.postdivide_factor != 1.0:
         sharded_grad = sharded_grad / options.postdivide_factor
-    sharded_grad = sharded_grad.to(ctx.shard_dtype)
+    if len(set(ctx.shard_dtypes)) == 1:
+        sharded_grad = sharded_grad.to(ctx.shard_dtypes[0])
     shard_grads = [
-        padded_grad[: shape.numel()].view(shape)
-        for padded_grad, shape in zip(sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes)
+        padded_grad[: shape.numel()].view(shape).to(dtype)
+        for padded_grad, shape, dtype in zip(
+            sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
+        )
     ]
     # One None per other argument the call gave (the reduction's are optional).
     return shard_grads, *[None] * (len(ctx.needs_input_grad) - 1)
