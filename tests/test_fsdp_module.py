@@ -238,6 +238,44 @@ def test_share_comm_ctx_and_accepted_knobs(fake_pg):
         first.set_reshard_after_forward(1)
 
 
+def _lifecycle_worker(rank, world_size):
+    """unshard, reshard, prefetch lists and set_reshard_after_forward: the same calls on both, step by step."""
+    config = LlamaConfig(n_layers=3)
+    models = [build_sharded_llama(config, shard=shard)[0] for shard in (fully_shard, torch_fully_shard)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for model in models:
+        layers = list(model.layers)
+        for block, following in zip(layers, layers[1:]):
+            block.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([block])
+    for step in range(4):
+        tokens = global_batch(step, world_size, 2, 8, config.vocab_size)[2 * rank : 2 * rank + 2]
+        counts, grads = [], []
+        for model, optimizer in zip(models, optimizers):
+            if step == 2:
+                model.set_reshard_after_forward(False)
+            with CollectiveCounter() as counter:
+                if step == 1:
+                    model.unshard()  # the root, gathered ahead of its forward
+                with torch.no_grad():
+                    lm_loss(model, tokens)  # an evaluation forward...
+                for module in model.modules():
+                    if isinstance(module, TorchFSDPModule):
+                        module.reshard()  # ...whose gathered parameters are freed by hand
+                lm_loss(model, tokens).backward()
+            counts.append((dict(counter.counts), dict(counter.bytes)))
+            grads.append([param.grad.full_tensor() for param in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        assert counts[0] == counts[1], (step, counts)
+        for ours, theirs in zip(*grads):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_unshard_reshard_and_prefetch_match_torch_fsdp2_call_for_call():
+    run_gloo(_lifecycle_worker, 2)
+
+
 def _unshard_in_backward_worker(rank, world_size):
     """An embedding whose backward reads no weight: no all-gather for it in backward."""
     models, counts = [], []

@@ -1,8 +1,8 @@
 """benchmarks/train_bench.py on its smoke configuration: the JSON report's schema, losses, collectives and ratios.
 
-Two runs of the script, shared by the tests: five modes on 2 gloo processes, and two
-modes on rank 0 of a fake process group of 8. Compiled modes use ``aot_eager`` so
-that no Inductor compilation makes the file slow.
+Two runs of the script, shared by the tests: five modes on 2 gloo processes, and three
+modes on rank 0 of a fake process group of 8, in mixed precision (``--mp bf16``).
+Compiled modes use ``aot_eager`` so that no Inductor compilation makes the file slow.
 """
 
 import dataclasses
@@ -13,6 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from dist_utils import FakeProcessGroup
+
+# One worker runs this file: its module-scoped fixtures run once (pyproject.toml: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("test_train_bench")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
@@ -64,7 +71,11 @@ def gloo_report(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fake_report(tmp_path_factory):
-    return _run(tmp_path_factory, "fake", "--device", "cpu", "--fake-world-size", "8", "--modes", ",".join(FAKE_MODES))
+    return _run(
+        tmp_path_factory,
+        "fake",
+        *("--device", "cpu", "--fake-world-size", "8", "--modes", ",".join(FAKE_MODES), "--mp", "bf16"),
+    )
 
 
 def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
@@ -155,7 +166,7 @@ def test_gloo_compiled_mode_is_one_graph(gloo_report):
 
 def test_fake_process_group_report(fake_report):
     _check_schema(fake_report, FAKE_MODES, world_size=8)
-    assert fake_report["process_group"] == "fake"
+    assert fake_report["process_group"] == "fake" and fake_report["mixed_precision"] == "bf16"
     compiled, eager = fake_report["modes"]["cs_compiled"], fake_report["modes"]["fsdp2_eager"]
     assert compiled["processes"] == eager["processes"] == 1
     assert compiled["max_loss_diff"] is None and eager["max_loss_diff"] is None
@@ -177,19 +188,38 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
 
 
-def test_blocks_kept_gathered_after_forward_in_mixed_precision(tmp_path_factory):
-    """``--no-reshard-after-forward`` and ``--mp bf16`` reach both FSDP implementations: backward gathers nothing."""
-    report = _run(
-        tmp_path_factory,
-        "no_reshard",
-        *("--device", "cpu", "--fake-world-size", "2", "--modes", "cs_compiled,fsdp2_eager"),
-        *("--no-reshard-after-forward", "--mp", "bf16"),
-    )
-    assert report["reshard_after_forward"] is False and report["mixed_precision"] == "bf16"
+def _step_collectives(build, train_bench, param_dtype):
+    from compile_shard.debug import CollectiveCounter
+    from compile_shard.models import Llama
+
+    llama = train_bench.CONFIGS["smoke"].llama()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    model = build(Llama(llama), train_bench.BuildContext(mesh, None, False, param_dtype))
+    tokens = torch.randint(0, llama.vocab_size, (2, 9))
+    with CollectiveCounter() as counter:
+        train_bench._lm_loss(model, tokens).backward()
+    return dict(counter.counts), dict(counter.bytes)
+
+
+def test_blocks_kept_gathered_and_mixed_precision_reach_both_fsdp_modes():
+    """``--no-reshard-after-forward`` and ``--mp bf16``: backward gathers nothing, all-gathers move bf16."""
+    train_bench, args = _bench_and_args("--no-reshard-after-forward", "--mp", "bf16")
+    assert (args.reshard_after_forward, args.mp) == (False, "bf16")
+    with FakeProcessGroup(2):
+        steps = {
+            (build.__name__, dtype): _step_collectives(build, train_bench, dtype)
+            for build in (train_bench._build_cs, train_bench._build_fsdp2)
+            for dtype in (None, torch.bfloat16)
+        }
     # 2 blocks and the root gather once, in forward; one reduce-scatter per group.
-    expected = {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
-    for name, result in report["modes"].items():
-        assert result["collectives"] == expected, name
+    for counts, _ in steps.values():
+        assert counts == {"all_gather": 3, "reduce_scatter": 3}
+    for build in ("_build_cs", "_build_fsdp2"):
+        fp32_bytes, bf16_bytes = steps[build, None][1], steps[build, torch.bfloat16][1]
+        assert bf16_bytes["all_gather"] * 2 == fp32_bytes["all_gather"]
+        assert bf16_bytes["reduce_scatter"] == fp32_bytes["reduce_scatter"]  # fp32 reductions
+    assert steps["_build_cs", torch.bfloat16] == steps["_build_fsdp2", torch.bfloat16]
 
 
 def _bench_and_args(*argv: str):
