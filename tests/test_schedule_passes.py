@@ -141,6 +141,29 @@ def test_bucket_keeps_groups_with_different_resharding_apart():
     assert bucket(graph, cap_mb=100.0) == 0  # a | b | c: no two neighbors agree
 
 
+def _bf16_layer(h, shard):
+    gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP, param_dtype=torch.bfloat16)
+    (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+    return (h @ per_rank.reshape(-1, 4)[:5].t().float()).relu()[:, :4]
+
+
+def test_bucket_merges_mixed_precision_gathers_with_their_cast_and_keeps_other_wire_dtypes_apart():
+    def fn(s0, s1, s2, x):
+        return _layer(_bf16_layer(_bf16_layer(x, s0), s1), s2)  # bf16, bf16, then fp32 on the wire
+
+    graph = _traced(fn).graph
+    assert bucket(graph, cap_mb=100.0) == 1  # a+b; c gathers fp32
+    gathers = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    merged = next(n for n in gathers if len(n.args[0]) == 2)
+    assert merged.kwargs == {"param_dtype": torch.bfloat16} and merged.meta["val"].dtype == torch.bfloat16
+    lower(graph)
+    verify(graph)
+    lowered = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    assert sorted(str(node.meta["val"].dtype) for node in lowered) == ["torch.bfloat16", "torch.float32"]
+    casts = graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
+    assert [cast.args[0].op for cast in casts] == ["placeholder", "placeholder"]  # the bucket's two fp32 shards
+
+
 def _gather_and_reduce(s0, s1, g0, g1, x):
     """A forward's two gathers and a backward's two reduce-scatters, as in a joint graph."""
     outputs = []

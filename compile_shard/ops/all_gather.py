@@ -65,6 +65,19 @@ def _check_shards(
 # all_gather_into ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Options:
+    """``all_gather_into``'s optional arguments, defaults filled in (a call passes any leading part)."""
+
+    reduce_op: str = "avg"
+    premul_factor: float = 1.0
+    postdivide_factor: float = 1.0
+    accumulated_grad: torch.Tensor | None = None
+    reduce_grads: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
     param_dtype = _Options(*options).param_dtype
     _check_shards(shards, padded_numels, param_dtype)
@@ -82,19 +95,6 @@ def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *option
     param_dtype = _Options(*options).param_dtype
     _check_shards(shards, padded_numels, param_dtype)
     return shards[0].new_empty(world_size * sum(padded_numels), dtype=param_dtype)
-
-
-@dataclass(frozen=True)
-class _Options:
-    """``all_gather_into``'s optional arguments, defaults filled in (a call passes any leading part)."""
-
-    reduce_op: str = "avg"
-    premul_factor: float = 1.0
-    postdivide_factor: float = 1.0
-    accumulated_grad: torch.Tensor | None = None
-    reduce_grads: bool = True
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
 
 
 def _all_gather_into_setup_context(ctx, inputs, output):
