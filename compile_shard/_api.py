@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -596,6 +597,41 @@ def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any
         )
 
 
+def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_size: int) -> bool | None:
+    """FSDP2's ``reshard_after_forward``: a bool, None, or an int that is the size of a group to reshard to.
+
+    FSDP2 reads the int 1 as False (with a warning) and the world size as True; another
+    factor of the world size reshards to a smaller group, which compile_shard does not do
+    yet; anything else is FSDP2's ``ValueError``.
+    """
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    if not isinstance(reshard_after_forward, int):
+        raise ValueError(
+            f"fully_shard({label}): reshard_after_forward should be a bool or an int representing the group "
+            f"size to reshard to, not {reshard_after_forward!r}"
+        )
+    if reshard_after_forward < 1 or world_size % reshard_after_forward != 0:
+        raise ValueError(
+            f"fully_shard({label}): if passing reshard_after_forward as an int, it should be a factor of "
+            f"{world_size}, not {reshard_after_forward}"
+        )
+    if reshard_after_forward == 1:
+        warnings.warn(
+            f"fully_shard({label}): reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+            "instead of reshard_after_forward=True (bool)",
+            stacklevel=3,
+        )
+        return False
+    if reshard_after_forward == world_size:
+        return True
+    raise NotImplementedError(
+        f"fully_shard({label}): reshard_after_forward={reshard_after_forward} (keeping the parameters sharded "
+        f"over groups of {reshard_after_forward} ranks between forward and backward) is not supported yet; pass "
+        "True to reshard over the whole mesh or False to keep them unsharded"
+    )
+
+
 def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
     """Trainable parameters share one dtype: their gradients are reduced as one buffer (FSDP2's rule)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
@@ -615,7 +651,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -628,7 +664,8 @@ def fully_shard(
     group: one all-gather before the module's forward, one reduce-scatter of its
     gradients in backward. ``reshard_after_forward`` frees the unsharded parameters
     after forward and gathers them again before backward; ``None`` (the default)
-    means True except for the root module, as in FSDP2. A list of modules forms one
+    means True except for the root module, as in FSDP2 (an int is FSDP2's group size
+    to reshard to: the world size and 1 are supported). A list of modules forms one
     group, unsharded until each of them has run its forward. ``ignored_params`` stay
     plain, unsharded parameters whose gradients are not reduced. The other arguments
     take FSDP2's values where they mean what compile_shard already does (for example
@@ -637,13 +674,9 @@ def fully_shard(
     modules = _as_module_list(module)
     label = "+".join(_label(m) for m in modules)
     _check_unsupported_arguments(label, mp_policy, offload_policy, dp_mesh_dims)
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"fully_shard({label}): reshard_after_forward must be True, False or None, got "
-            f"{reshard_after_forward!r} (resharding to a smaller world is not supported yet)"
-        )
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(label, mesh)
+    reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size())
     ignored = {id(param) for param in ignored_params or ()}
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
     named: dict[str, nn.Parameter] = {}

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from compile_shard import fully_shard
@@ -105,8 +106,23 @@ def test_parameter_shared_across_groups():
         fully_shard(model)
 
 
-def test_reshard_after_forward_int_is_rejected():
-    with pytest.raises(ValueError, match=r"reshard_after_forward must be True, False or None"):
+@pytest.mark.parametrize(
+    "value, message",
+    [(3, "it should be a factor of 4, not 3"), (0, "factor of 4, not 0"), ("2", "should be a bool or an int")],
+)
+def test_invalid_reshard_after_forward_raises_torch_fsdp2s_error(value, message):
+    for shard in (fully_shard, torch_fully_shard):
+        with pytest.raises(ValueError, match=message):
+            shard(nn.Linear(4, 4), reshard_after_forward=value)
+
+
+def test_reshard_after_forward_ints_mean_what_they_mean_in_torch_fsdp2():
+    """The world size is True, 1 is False (with FSDP2's warning); a smaller group is not supported yet."""
+    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=4)._get_fsdp_state().group.reshard_after_forward
+    with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding parameters to world size 1"):
+        module = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
+    assert not module._get_fsdp_state().group.reshard_after_forward
+    with pytest.raises(NotImplementedError, match="groups of 2 ranks between forward and backward"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
 
 
