@@ -16,9 +16,13 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 - shard (``FSDPParam.shard``): a plain leaf tensor over the local tensor's storage;
   what the all-gather reads and what autograd gives the gradient to
   ([Note: the shard autograd sees]).
-- all-gather input: one group's shards flattened, padded to ``padded_rows`` and
-  concatenated (the copy-in), inside ``fsdp::all_gather_into`` or, after ``lower``,
-  in the graph.
+- all-gather input: one group's shards cast to the wire dtype, flattened, padded to
+  ``padded_rows`` and concatenated (the copy-in), inside ``fsdp::all_gather_into`` or,
+  after ``lower``, in the graph.
+- wire dtype: what a parameter is all-gathered and computed in, the mixed-precision
+  policy's ``param_dtype`` for a floating-point parameter, else its own dtype. A
+  group gathers each wire dtype in one all-gather, an all-gather part
+  (``_group.AllGatherPart``, [Note: one all-gather per wire dtype]); most groups have one.
 - all-gather output: the flat buffer every rank's all-gather input lands in, rank by
   rank (rank-major).
 - copy-out: the views and copies from the all-gather output to each unsharded
@@ -26,7 +30,9 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 - unsharded parameter (``FSDPParam.unsharded_param``): the full ``rows``-row tensor
   the forward computes with, shown to the modules between unshard and reshard.
 - reduce-scatter input: a group's unsharded gradients padded and laid out rank-major
-  (``fsdp::reduce_scatter_input``), the all-gather output's layout.
+  (``fsdp::reduce_scatter_input``), the all-gather output's layout, in the reduction
+  dtype: the policy's ``reduce_dtype``, else the trainable parameters' wire dtype
+  (``FSDPParamGroup.reduction_dtype``).
 - sharded gradient: this rank's reduced rows, the ``.grad`` of the sharded parameter.
 - group (``FSDPParamGroup``): the parameters of one ``fully_shard`` call, gathered by
   one all-gather and reduced by one reduce-scatter; named after its module
