@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from compile_shard.passes import lower
 from compile_shard.passes._graph import fake_value
 from compile_shard.passes.cost_model import (
     PROFILES,
@@ -213,6 +214,24 @@ def test_fsdp_ops_are_estimated_like_their_lowering():
     simulation = simulate(graph_module.graph, PROFILE)
     assert simulation.exposed_communication_seconds == pytest.approx(2 * GATHER_1K_WS2)
     assert [record.waited_at for record in simulation.collectives] == ["all_gather_into", "reduce_scatter_grad"]
+
+
+def test_a_bf16_all_gather_is_charged_its_bf16_bytes_before_and_after_lowering():
+    """Mixed precision: the wire dtype's bytes, half of fp32's (the latency term stays)."""
+
+    def gathers(shard):
+        return [
+            torch.ops.fsdp.all_gather_into([shard], [1024], 2, "0", param_dtype=dtype) for dtype in (None, torch.bfloat16)
+        ]
+
+    graph_module = trace(gathers, torch.randn(32, 32))
+    fp32, bf16 = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    latency = 1e-5
+    assert collective_info(bf16).bytes * 2 == collective_info(fp32).bytes == 2 * 1024 * 4
+    assert collective_seconds(bf16, PROFILE) - latency == pytest.approx((GATHER_1K_WS2 - latency) / 2)
+    lower(graph_module.graph)
+    lowered = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    assert sorted(collective_info(node).bytes for node in lowered) == [4096, 8192]
 
 
 def test_collective_seconds_rejects_other_nodes():
