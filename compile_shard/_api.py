@@ -355,7 +355,17 @@ class FSDPModule(TorchFSDPModule):
             group.set_requires_gradient_sync(bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch: a 1-D mesh has no all-reduce, so any value means what it does in FSDP2."""
+        """HSDP's all-reduce switch: a 1-D mesh has no all-reduce, so any value means what it does in FSDP2.
+
+        On an HSDP mesh only ``True`` (the default): skipping the replicate all-reduce
+        during gradient accumulation is not supported yet.
+        """
+        if not requires_all_reduce and any(group.replicate_group_name for group in self._groups(recurse)):
+            raise NotImplementedError(
+                "set_requires_all_reduce(False) on an HSDP mesh: compile_shard all-reduces every reduce-scattered "
+                "gradient over the replicate dimension; to accumulate without communication, use "
+                "set_requires_gradient_sync(False) instead"
+            )
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted (FSDP2's knob): every backward here finishes its reductions before it returns.
@@ -546,29 +556,28 @@ def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn
 
 
 def _check_mesh(label: str, mesh: DeviceMesh) -> None:
-    """Refuses a mesh that would leave data-parallel ranks without gradient synchronisation.
+    """Accepts FSDP2's meshes: 1-D (FSDP) or 2-D (HSDP: replicate, shard); refuses one that leaves ranks unsynchronised.
 
-    HSDP is not supported yet, and its obvious workaround is silently wrong: sharding
-    over ``mesh["shard"]`` of a (replicate, shard) mesh reduces gradients within each
-    replica only, and with a shard dim of size 1 not at all.
+    A 1-D slice of a larger mesh reduces gradients within itself only: sharding over
+    ``mesh["shard"]`` of a (replicate, shard) mesh would never reduce across replicas,
+    and with a shard dim of size 1 not at all. Pass the 2-D mesh instead (HSDP).
     """
-    if mesh.ndim != 1:
+    if mesh.ndim > 2:
         raise ValueError(
-            f"fully_shard({label}): expected a 1-D DeviceMesh, got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-            f"{mesh.mesh_dim_names}. HSDP (replicate, shard) is not supported yet. To shard over every "
-            "data-parallel rank, pass a 1-D mesh over all of them, e.g. init_device_mesh(device_type, "
-            "(world_size,))"
+            f"fully_shard({label}): expected a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
+            f"{mesh.ndim}-D mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}. Pass the data-parallel dimensions, "
+            "e.g. mesh['dp_replicate', 'dp_shard']"
         )
     root = mesh._get_root_mesh()
-    if root is mesh or root.size() == mesh.size():
+    if mesh.ndim == 2 or root is mesh or root.size() == mesh.size():
         return
     others = [name for name in root.mesh_dim_names or () if name not in (mesh.mesh_dim_names or ())]
     if mesh.size() == 1 or any("replicate" in name for name in others):
         raise ValueError(
             f"fully_shard({label}): the mesh {mesh.mesh_dim_names} of size {mesh.size()} is a slice of the "
             f"{tuple(root.shape)} mesh {root.mesh_dim_names}; gradients would be reduced within it only, never "
-            f"across {others}, so replicas would train apart. HSDP is not supported yet: pass a 1-D mesh over "
-            "every data-parallel rank instead"
+            f"across {others}, so replicas would train apart. For HSDP pass the 2-D (replicate, shard) mesh, "
+            "e.g. mesh[('replicate', 'shard')]"
         )
 
 

@@ -43,6 +43,7 @@ _TABLE = {
     ("_c10d_functional", "reduce_scatter_tensor"): Collective("reduce_scatter", size_arg=2),
     ("_c10d_functional", "reduce_scatter_tensor_coalesced"): Collective("reduce_scatter"),
     ("_c10d_functional", "all_reduce"): Collective("all_reduce"),
+    ("_c10d_functional", "all_reduce_"): Collective("all_reduce", in_place=True),  # what Inductor emits
     ("_c10d_functional", "all_reduce_coalesced"): Collective("all_reduce"),
     ("_c10d_functional", "all_to_all_single"): Collective("all_to_all", size_arg=1),
     # torch's process-group ops: what eager torch FSDP2 and DDP dispatch.

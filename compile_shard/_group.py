@@ -205,8 +205,12 @@ class FSDPParamGroup:
         self.fsdp_params = fsdp_params
         self.module_name = module_name
         self.mesh = mesh
-        self.world_size = mesh.size()
-        self.group_name = mesh.get_group().group_name
+        # The shard dimension's group gathers and reduce-scatters; on HSDP's 2-D mesh each
+        # reduce-scatter is followed by an all-reduce over the replicate dimension's group.
+        self.world_size = mesh.size(-1)
+        self.group_name = mesh.get_group(mesh.ndim - 1).group_name
+        self.replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else None
+        self.data_parallel_size = mesh.size()
         self.reshard_after_forward = reshard_after_forward
         # Fixed at sharding time; held here so a trace reads constants per group.
         self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
@@ -285,8 +289,9 @@ class FSDPParamGroup:
             reduce_grads,
             part.param_dtype,
             self.reduce_dtype,
+            self.replicate_group_name,
         )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None)
+        defaults = ("avg", 1.0, 1.0, None, True, None, None, None)
         given = len(values)
         while given and _is_default(values[given - 1], defaults[given - 1]):
             given -= 1
@@ -296,7 +301,7 @@ class FSDPParamGroup:
         self.gradient_divide_factor = divide_factor
         self.force_sum_reduction_for_comms = force_sum
         self.gradient_reduction = GradientReduction.choose(
-            self.world_size, divide_factor, force_sum, self.reduction_dtype
+            self.data_parallel_size, divide_factor, force_sum, self.reduction_dtype
         )
 
     # Collectives ------------------------------------------------------------------

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import ops
 from ._layout import padded_rows
@@ -108,6 +108,11 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
     module.__class__ = _ATTRIBUTE_CLASSES[key]
 
 
+def shard_placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """FSDP2's placements: ``Shard(0)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on HSDP's (replicate, shard) mesh."""
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
 class FSDPParam:
     """The sharded form of one original parameter.
 
@@ -154,8 +159,9 @@ class FSDPParam:
         # Weak: only to recognize the parameter if another module still uses it.
         self.original_param = weakref.ref(param)
         self.mesh = mesh
-        self.world_size = mesh.size()
-        self.rank = mesh.get_local_rank()
+        self.placements = shard_placements(mesh)
+        self.world_size = mesh.size(-1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.unsharded_shape = param.shape
         self.padded_rows = padded_rows(param.size(0), self.world_size)
         self.padded_numel = self.padded_rows * math.prod(param.shape[1:])
@@ -167,7 +173,7 @@ class FSDPParam:
             self.padded_shard[: self.shard_rows].copy_(param[start:end])
         local_tensor = self.padded_shard[: self.shard_rows]
         sharded = DTensor.from_local(
-            local_tensor, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            local_tensor, mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
@@ -197,7 +203,7 @@ class FSDPParam:
         param = self.sharded_param
         if param.grad is None:
             param.grad = DTensor.from_local(
-                grad, self.mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+                grad, self.mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
             )
         else:
             param.grad._local_tensor.add_(grad)

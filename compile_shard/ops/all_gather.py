@@ -23,7 +23,7 @@ _lib.define(
     "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
     "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
-    "ScalarType? reduce_dtype=None) -> Tensor"
+    "ScalarType? reduce_dtype=None, str? replicate_group_name=None) -> Tensor"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -76,6 +76,7 @@ class _Options:
     reduce_grads: bool = True
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    replicate_group_name: str | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
@@ -124,6 +125,13 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     The buffer is a forward input that only the backward writes: AOTAutograd keeps
     such a write in the compiled backward graph.
 
+    [Note: HSDP reduction]
+    On HSDP's (replicate, shard) mesh the op gathers and reduce-scatters over the shard
+    dimension's group, and ``replicate_group_name`` names the replicate dimension's: the
+    reduce-scattered gradient is all-reduced over it with the same reduce op, FSDP2's
+    order (an average over both when the divide factor is the data-parallel size, else
+    sums between the pre-multiplication and the post-division).
+
     [Note: mixed-precision reduction]
     FSDP2's ``MixedPrecisionPolicy``: the copy-in casts the shards to ``param_dtype``,
     so the all-gather output and its gradient are in ``param_dtype``. The backward
@@ -147,6 +155,10 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
         unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
     )
+    if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
+        funcol = torch.ops._c10d_functional
+        reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
+        sharded_grad = funcol.wait_tensor(reduced)
     if options.postdivide_factor != 1.0:
         sharded_grad = sharded_grad / options.postdivide_factor
     if len(set(ctx.shard_dtypes)) == 1:

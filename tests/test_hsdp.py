@@ -1,0 +1,93 @@
+"""HSDP: a 2-D (replicate, shard) mesh, against torch FSDP2 on the same mesh and wrapping.
+
+compile_shard gathers and reduce-scatters over the shard dimension and all-reduces the
+reduce-scattered gradients over the replicate dimension ([Note: HSDP reduction] in
+compile_shard.ops), FSDP2's placements ``(Replicate(), Shard(0))``.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Replicate, Shard
+
+from compile_shard import fully_shard
+from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.models import LlamaConfig
+from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from graph_utils import CapturingBackend, op_counts
+
+CONFIG = LlamaConfig()
+STEPS = 3
+
+
+def _counted_step(runnable, tokens):
+    with CollectiveCounter() as counter:
+        lm_loss(runnable, tokens).backward()
+    return dict(counter.counts), dict(counter.bytes)
+
+
+def _hsdp_worker(rank, world_size, shape, backends):
+    """Each backend's compile_shard model against torch FSDP2: placements, gradients and parameters bitwise."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    theirs, _ = build_sharded_llama(CONFIG, shard=functools.partial(torch_fully_shard, mesh=mesh))
+    models = [build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))[0] for _ in backends]
+    runs = [m if backend is None else torch.compile(m, backend=backend) for m, backend in zip(models, backends)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
+    clear_compilation_metrics()
+    counters.clear()
+    replica = rank // shape[1]  # the replicas train on different rows of the global batch
+    for step in range(STEPS):
+        tokens = global_batch(step, shape[0], 2, 8, CONFIG.vocab_size)[2 * replica : 2 * replica + 2]
+        torch_collectives = _counted_step(theirs, tokens)
+        for model, run, backend in zip(models, runs, backends):
+            collectives = _counted_step(run, tokens)
+            if backend is None and shape[1] > 1:
+                assert collectives == torch_collectives, (collectives, torch_collectives)
+            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
+                assert param.placements == other.placements == (Replicate(), Shard(0)), name
+                assert param.grad.placements == other.grad.placements, name
+                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for model in models:
+        for param, other in zip(model.parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.full_tensor(), other.full_tensor(), rtol=0, atol=0)
+    if any(backends):
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+
+
+# (1, 2): FSDP over both ranks with a replicate group of one; (2, 1): NO_SHARD, two
+# replicas of unsharded parameters, all-reduced (compile_shard still runs its
+# all-gather and reduce-scatter over the shard group of one, which FSDP2 skips:
+# copies only, the same numbers); (2, 2): both at once, on 4 processes.
+@pytest.mark.parametrize(
+    "shape, backends",
+    [((1, 2), (None, "aot_eager")), ((2, 1), (None, "aot_eager")), ((2, 2), (None,))],
+    ids=["1x2", "2x1", "2x2"],
+)
+def test_hsdp_matches_torch_fsdp2(shape, backends):
+    run_gloo(_hsdp_worker, shape[0] * shape[1], shape, backends)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 4)])
+def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(shape):
+    """Fake process groups of 8 and 16: FSDP2's collectives per step, the all-reduces in the backward graph."""
+    capture = CapturingBackend()
+    torch._dynamo.reset()
+    with FakeProcessGroup(shape[0] * shape[1]):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        model, _ = build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))
+        tokens = global_batch(0, 1, 2, 8, CONFIG.vocab_size)
+        lm_loss(torch.compile(model, backend=capture.backend, fullgraph=True), tokens).backward()
+    torch._dynamo.reset()
+    (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
+    groups = CONFIG.n_layers + 1
+    assert op_counts(forward.graph)["all_gather"] == groups
+    backward_counts = op_counts(backward.graph)
+    assert backward_counts["all_gather"] == CONFIG.n_layers  # the resharded blocks again
+    assert backward_counts["reduce_scatter"] == backward_counts["all_reduce"] == groups
