@@ -70,7 +70,9 @@ MODELS = {"mlp3_uneven": _mlp, "llama2_tied": _llama, "reused_block": _reused_bl
 BUCKET_CAP_MB = {"mlp3_uneven": 0.001, "llama2_tied": 0.012, "reused_block": 0.01}
 
 
-def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None, compile_regions=False) -> str:
+def _staged_graphs(
+    build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None, compile_regions=False, mesh_shape=None
+) -> str:
     """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
     capture = CapturingBackend()
     torch._dynamo.reset()
@@ -84,7 +86,7 @@ def _staged_graphs(build, world_size, reshard_after_forward, dump_dir, bucket_ca
         # One mesh object for the whole model: DTensor brings its DeviceMesh into the
         # graph as an opaque input, and separate-but-equal meshes would make the graph
         # depend on object identities left over from earlier tests.
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh("cpu", mesh_shape or (world_size,))
         model, example = build(mesh=mesh, reshard_after_forward=reshard_after_forward)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         compiled(example).float().sum().backward()
@@ -134,3 +136,11 @@ def test_golden_graphs_with_mixed_precision(world_size, reshard_after_forward, t
     """bf16 parameters, fp32 reductions: the copy-in casts, the reduction input casts while it lays out."""
     name = f"mlp3_uneven_bf16_ws{world_size}_{'reshard' if reshard_after_forward else 'no_reshard'}"
     _assert_golden(name, _staged_graphs(_mlp_bf16, world_size, reshard_after_forward, tmp_path))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4)], ids=["2x4"])
+def test_golden_graphs_with_hsdp(mesh_shape, tmp_path):
+    """HSDP: each reduce-scatter over the shard dimension, then an all-reduce over the replicate dimension."""
+    world_size = mesh_shape[0] * mesh_shape[1]
+    name = f"mlp3_uneven_hsdp_{mesh_shape[0]}x{mesh_shape[1]}_reshard"
+    _assert_golden(name, _staged_graphs(_mlp, world_size, True, tmp_path, mesh_shape=mesh_shape))
