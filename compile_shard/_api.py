@@ -193,7 +193,6 @@ class FSDPState:
             return output
         return _cast_floating_tensors(self.mp_policy.output_dtype, output)
 
-
     def _register_root_pre_backward(self, output: Any) -> None:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if not self._final_callback_queued:

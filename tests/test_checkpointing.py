@@ -59,9 +59,6 @@ from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
 from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
 
-# One worker runs this file: its module-scoped fixtures run once (pyproject.toml: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_checkpointing")
-
 CONFIG = LlamaConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16)
 SEQ = 8
 BATCH_PER_RANK = 2

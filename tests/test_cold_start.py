@@ -12,9 +12,6 @@ from pathlib import Path
 
 import pytest
 
-# One worker runs this file: its module-scoped fixtures run once (pyproject.toml: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_cold_start")
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cold_start.py"
 MODES = ["fsdp2_block_compiled", "cs_compiled"]

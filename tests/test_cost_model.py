@@ -220,9 +220,8 @@ def test_a_bf16_all_gather_is_charged_its_bf16_bytes_before_and_after_lowering()
     """Mixed precision: the wire dtype's bytes, half of fp32's (the latency term stays)."""
 
     def gathers(shard):
-        return [
-            torch.ops.fsdp.all_gather_into([shard], [1024], 2, "0", param_dtype=dtype) for dtype in (None, torch.bfloat16)
-        ]
+        dtypes = (None, torch.bfloat16)
+        return [torch.ops.fsdp.all_gather_into([shard], [1024], 2, "0", param_dtype=dtype) for dtype in dtypes]
 
     graph_module = trace(gathers, torch.randn(32, 32))
     fp32, bf16 = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)

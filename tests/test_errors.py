@@ -61,7 +61,8 @@ def test_parameters_on_a_device_the_mesh_does_not_cover():
 
 def test_mesh_of_more_than_two_dims():
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))
-    with pytest.raises(ValueError, match=r"expected a 1-D mesh \(FSDP\) or a 2-D .* got a 3-D mesh.*mesh\['dp_replicate'"):
+    message = r"expected a 1-D mesh \(FSDP\) or a 2-D .* got a 3-D mesh.*mesh\['dp_replicate'"
+    with pytest.raises(ValueError, match=message):
         fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
@@ -76,7 +77,7 @@ def test_hsdp_skipping_the_replicate_all_reduce_is_not_supported_yet():
 
 @pytest.mark.parametrize("shape", [(4, 1), (2, 2)], ids=["shard_dim_of_1", "shard_dim_of_2"])
 def test_a_shard_slice_of_an_hsdp_mesh_would_not_sync_replicas(shape):
-    """A 1-D slice, mesh["shard"], would reduce within a replica only (or not at all): refused, naming HSDP's 2-D mesh."""
+    """A 1-D slice, mesh["shard"], would reduce within a replica only (or not at all): refused, naming HSDP's mesh."""
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     message = r"slice of the .* mesh \('replicate', 'shard'\).*never across \['replicate'\].*2-D \(replicate, shard\) mesh"
     with pytest.raises(ValueError, match=message):

@@ -19,9 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# One worker runs this file: its module-scoped fixtures run once (pyproject.toml: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_examples")
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BACKEND = "aot_eager"

@@ -127,9 +127,8 @@ def _mixed_dtypes_worker(rank, world_size, mp_policy, reshard):
         _adapted(torch_fully_shard, mp_policy, reshard),
         _adapted(fully_shard, mp_policy, reshard, backend="aot_eager"),
     )
-    optimizers = [
-        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ours, theirs, compiled_model)
-    ]
+    models = (ours, theirs, compiled_model)
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
     for step in range(STEPS):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
         outputs = [run(x) for run in (ours, theirs, compiled)]
@@ -149,12 +148,17 @@ def _mixed_dtypes_worker(rank, world_size, mp_policy, reshard):
         torch.testing.assert_close(outputs[0], outputs[2], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(
-    "mp_policy",
-    [MixedPrecisionPolicy(), MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)],
-    ids=["own_dtypes", "bf16_policy"],
-)
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no_reshard"])
-def test_frozen_bf16_beside_trainable_fp32_matches_torch_fsdp2(mp_policy, reshard):
-    """[Note: one all-gather per wire dtype]: torch FSDP2's gradients and outputs, eager and compiled."""
-    run_gloo(_mixed_dtypes_worker, 2, mp_policy, reshard)
+def _mixed_dtypes_layouts_worker(rank, world_size):
+    bf16_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for mp_policy in (MixedPrecisionPolicy(), bf16_policy):
+        for reshard in (True, False):
+            torch._dynamo.reset()
+            _mixed_dtypes_worker(rank, world_size, mp_policy, reshard)
+
+
+def test_frozen_bf16_beside_trainable_fp32_matches_torch_fsdp2():
+    """[Note: one all-gather per wire dtype]: torch FSDP2's gradients and outputs, eager and compiled.
+
+    With the blocks' own dtypes and with a bf16 policy, resharding on and off.
+    """
+    run_gloo(_mixed_dtypes_layouts_worker, 2)

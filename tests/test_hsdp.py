@@ -67,16 +67,16 @@ def _hsdp_worker(rank, world_size, shape, backends):
 # copies only, the same numbers); (2, 2): both at once, on 4 processes.
 @pytest.mark.parametrize(
     "shape, backends",
-    [((1, 2), (None, "aot_eager")), ((2, 1), (None, "aot_eager")), ((2, 2), (None,))],
+    [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None,))],
     ids=["1x2", "2x1", "2x2"],
 )
 def test_hsdp_matches_torch_fsdp2(shape, backends):
     run_gloo(_hsdp_worker, shape[0] * shape[1], shape, backends)
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (4, 4)])
+@pytest.mark.parametrize("shape", [(2, 4)])
 def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(shape):
-    """Fake process groups of 8 and 16: FSDP2's collectives per step, the all-reduces in the backward graph."""
+    """A fake process group of 8: FSDP2's collectives per step, the all-reduces in the backward graph."""
     capture = CapturingBackend()
     torch._dynamo.reset()
     with FakeProcessGroup(shape[0] * shape[1]):

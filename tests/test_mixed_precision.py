@@ -6,13 +6,12 @@ in eager mode ([Note: mixed-precision reduction] in compile_shard.ops), and the
 collectives move ``param_dtype`` and the reduction's dtype.
 """
 
-import copy
-
 import pytest
 import torch
 from torch._dynamo.utils import clear_compilation_metrics, counters
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter, recompiles
@@ -77,7 +76,12 @@ def _reduction_dtype(policy: MixedPrecisionPolicy) -> torch.dtype:
     return policy.reduce_dtype or policy.param_dtype or FP32
 
 
-def _eager_worker(rank, world_size, policy_name):
+def _eager_worker(rank, world_size, policy_names):
+    for policy_name in policy_names:
+        _eager_parity(rank, world_size, policy_name)
+
+
+def _eager_parity(rank, world_size, policy_name):
     """Bitwise torch FSDP2 at two ranks; at three, each step's gradients from the same parameters.
 
     At three ranks the reductions add the ranks' gradients in different orders
@@ -92,12 +96,12 @@ def _eager_worker(rank, world_size, policy_name):
     for step in range(STEPS):
         tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
         losses = [lm_loss(model, tokens) for model in (ours, theirs)]
-        _assert_equal(losses[0], losses[1], f"loss, step {step}")
+        _assert_equal(losses[0], losses[1], f"{policy_name}: loss, step {step}")
         for loss in losses:
             loss.backward()
         for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
             assert param.dtype == FP32 and param.grad.dtype == FP32, name
-            what = f"{name}.grad, step {step}"
+            what = f"{policy_name}: {name}.grad, step {step}"
             grad, other_grad = param.grad.full_tensor(), other.grad.full_tensor()
             if world_size == 2:
                 _assert_equal(grad, other_grad, what)
@@ -112,16 +116,17 @@ def _eager_worker(rank, world_size, policy_name):
                 for param, other in zip(ours.parameters(), theirs.parameters()):
                     param.to_local().copy_(other.to_local())
     for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
-        _assert_equal(param.full_tensor(), other.full_tensor(), name)
+        _assert_equal(param.full_tensor(), other.full_tensor(), f"{policy_name}: {name}")
 
 
 # Every policy at two ranks; at three (uneven shards) the two reduction arithmetics:
-# a bf16 average, and fp16's division before and after the sum.
+# a bf16 average, and fp16's division before and after the sum. One set of processes
+# per world size runs its policies one after the other.
 @pytest.mark.parametrize(
-    "policy_name, world_size", [(name, 2) for name in POLICIES] + [("param", 3), ("fp16_reduce", 3)]
+    "world_size, policy_names", [(2, list(POLICIES)), (3, ["param", "fp16_reduce"])], ids=["W2", "W3"]
 )
-def test_eager_matches_torch_fsdp2(policy_name, world_size):
-    run_gloo(_eager_worker, world_size, policy_name)
+def test_eager_matches_torch_fsdp2(world_size, policy_names):
+    run_gloo(_eager_worker, world_size, policy_names)
 
 
 class ResidualBlock(torch.nn.Module):
@@ -163,7 +168,13 @@ def test_cast_forward_inputs_false_matches_torch_fsdp2():
     run_gloo(_no_input_cast_worker, 2)
 
 
-def _compiled_worker(rank, world_size, policy_name, backend):
+def _compiled_worker(rank, world_size, policy_names, backend):
+    for policy_name in policy_names:
+        torch._dynamo.reset()
+        _compiled_parity(rank, world_size, policy_name, backend)
+
+
+def _compiled_parity(rank, world_size, policy_name, backend):
     """Compiled against compile_shard eager, same policies: one graph each way, bitwise under aot_eager."""
     clear_compilation_metrics()
     counters.clear()
@@ -174,20 +185,20 @@ def _compiled_worker(rank, world_size, policy_name, backend):
     for step in range(3):
         tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
         losses = [lm_loss(model, tokens) for model in (compiled, eager_model)]
-        _assert_equal(losses[0], losses[1], f"loss, step {step}")
+        _assert_equal(losses[0], losses[1], f"{policy_name}: loss, step {step}")
         for loss in losses:
             loss.backward()
         for (name, param), other in zip(compiled_model.named_parameters(), eager_model.parameters()):
-            _assert_equal(param.grad.full_tensor(), other.grad.full_tensor(), f"{name}.grad, step {step}")
+            what = f"{policy_name}: {name}.grad, step {step}"
+            _assert_equal(param.grad.full_tensor(), other.grad.full_tensor(), what)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
 
 
-@pytest.mark.parametrize("policy_name", ["param_reduce", "root_differs"])
-def test_aot_eager_matches_eager(policy_name):
-    run_gloo(_compiled_worker, 2, policy_name, "aot_eager")
+def test_aot_eager_matches_eager():
+    run_gloo(_compiled_worker, 2, ["param_reduce", "root_differs"], "aot_eager")
 
 
 @pytest.mark.parametrize(
@@ -231,57 +242,58 @@ def test_collectives_move_torch_fsdp2_bytes():
     run_gloo(_bytes_worker, 2)
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _relative_grad_difference(model, other) -> float:
     """The largest gradient difference, relative to the gradient's largest entry, over the parameters."""
     differences = []
     for param, other_param in zip(model.parameters(), other.parameters()):
-        grad, other_grad = (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in (param, other_param))
+        grad, other_grad = (_full(p.grad) for p in (param, other_param))
         differences.append((grad.float() - other_grad.float()).abs().max() / other_grad.float().abs().max())
     return max(differences).item()
 
 
+# The unsharded model in bf16, compiled with Inductor the same way, is this far from its
+# eager run on the same batch (measured 2.5%, docs/benchmarks.md "Mixed precision"; the
+# suite does not compile it again).
+UNSHARDED_INDUCTOR_GRAD_DIFFERENCE = 0.025
+
+
 def _inductor_worker(rank, world_size):
-    """Inductor against eager, for the sharded bf16 model and for the unsharded one with the same casts.
+    """Inductor against eager for the sharded bf16 model, within what the unsharded model shows.
 
     Inductor computes bf16 pointwise chains in fp32 and rounds once, so compiled bf16
     gradients are a few percent of the largest gradient away from eager's (measured:
     2.1% sharded against 2.5% unsharded on this model).
     """
-    torch.manual_seed(0)
-    unsharded = Llama(LlamaConfig()).to(BF16)
-    unsharded_compiled = copy.deepcopy(unsharded)
     compiled_model, eager_model = (build(fully_shard, POLICIES["param_reduce"]) for _ in range(2))
     tokens = global_batch(0, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
-    runs = [
-        torch.compile(compiled_model, fullgraph=True),
-        eager_model,
-        torch.compile(unsharded_compiled),
-        unsharded,
-    ]
-    for run in runs:
+    for run in (torch.compile(compiled_model, fullgraph=True), eager_model):
         lm_loss(run, tokens).backward()
-    sharded = _relative_grad_difference(compiled_model, eager_model)
-    reference = _relative_grad_difference(unsharded_compiled, unsharded)
-    assert 0 < sharded <= reference, (sharded, reference)
+    difference = _relative_grad_difference(compiled_model, eager_model)
+    assert 0 < difference <= UNSHARDED_INDUCTOR_GRAD_DIFFERENCE, difference
 
 
 def test_inductor_is_as_close_to_eager_as_the_unsharded_model_with_the_same_casts():
     run_gloo(_inductor_worker, 2)
 
 
-def _accumulation_worker(rank, world_size, policy_name):
-    """Without sync, gradients accumulate in the reduction's dtype (bf16, or fp32 with ``reduce_dtype``), as in FSDP2."""
-    policies = POLICIES[policy_name]
-    ours, theirs = build(fully_shard, policies), build(torch_fully_shard, policies)
-    for step in range(2):
-        reductions = [accumulate_micro_batches(model, model, step, rank, world_size) for model in (ours, theirs)]
-        assert reductions[0] == len(ours.layers) + 1, reductions
-        for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
-            _assert_equal(param.grad.full_tensor(), other.grad.full_tensor(), f"{name}.grad, step {step}")
-        for model in (ours, theirs):
-            model.zero_grad()
+def _accumulation_worker(rank, world_size):
+    """Without sync, gradients accumulate in the reduction's dtype (bf16, or fp32 with ``reduce_dtype``): FSDP2's."""
+    for policy_name in ("param", "param_reduce"):
+        policies = POLICIES[policy_name]
+        ours, theirs = build(fully_shard, policies), build(torch_fully_shard, policies)
+        for step in range(2):
+            reductions = [accumulate_micro_batches(model, model, step, rank, world_size) for model in (ours, theirs)]
+            assert reductions[0] == len(ours.layers) + 1, reductions
+            for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+                what = f"{policy_name}: {name}.grad, step {step}"
+                _assert_equal(param.grad.full_tensor(), other.grad.full_tensor(), what)
+            for model in (ours, theirs):
+                model.zero_grad()
 
 
-@pytest.mark.parametrize("policy_name", ["param", "param_reduce"])
-def test_accumulating_without_sync_matches_torch_fsdp2(policy_name):
-    run_gloo(_accumulation_worker, 2, policy_name)
+def test_accumulating_without_sync_matches_torch_fsdp2():
+    run_gloo(_accumulation_worker, 2)

@@ -260,7 +260,8 @@ def test_lower_casts_each_shard_in_the_copy_in_under_mixed_precision():
     (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
     assert gather.meta["val"].dtype == torch.bfloat16
     casts = graph_module.graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
-    assert [cast.args for cast in casts] == [(shard, torch.bfloat16) for shard in graph_module.graph.find_nodes(op="placeholder")[:2]]
+    shards = graph_module.graph.find_nodes(op="placeholder")[:2]
+    assert [cast.args for cast in casts] == [(shard, torch.bfloat16) for shard in shards]
     verify(graph_module.graph)
 
 

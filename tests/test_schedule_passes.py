@@ -479,7 +479,8 @@ def test_gather_buffers_gives_each_reduction_input_a_planned_buffer_with_the_sam
 def test_gather_buffers_plans_a_cast_reduction_input_in_the_reduction_dtype(monkeypatch):
     """Mixed precision: bf16 gradients laid out in fp32; on gloo the exchange sends that buffer, not the gradients."""
     for name in ("lower", "gather_buffers"):  # a gloo group
-        monkeypatch.setattr(importlib.import_module(f"compile_shard.passes.{name}"), "reduces_by_all_to_all", lambda *_: True)
+        pass_module = importlib.import_module(f"compile_shard.passes.{name}")
+        monkeypatch.setattr(pass_module, "reduces_by_all_to_all", lambda *_: True)
 
     def fn(weight_grad, bias_grad):
         reduction_input = torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], WORLD, torch.float32)

@@ -18,9 +18,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dist_utils import FakeProcessGroup
 
-# One worker runs this file: its module-scoped fixtures run once (pyproject.toml: --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("test_train_bench")
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
 GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference"]
