@@ -189,7 +189,7 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         dist.destroy_process_group()
     # The demo is done and printed. Leave without the interpreter's teardown: a gloo
     # thread still joinable at static destruction aborts the process now and then
-    # ("terminate called without an active exception", SIGABRT), and mp.spawn would
+    # ("terminate called without an active exception", SIGABRT), and the launcher would
     # report a finished demo as failed. tests/dist_utils.py leaves its workers the same way.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -200,7 +200,7 @@ def _report_failure(rank: int) -> None:
     """Prints this rank's own traceback now.
 
     A rank that raises closes its gloo pairs, so its peers fail next with "Connection
-    closed by peer"; ``mp.spawn`` re-raises whichever failure it notices first, often
+    closed by peer"; the launcher re-raises whichever failure it notices first, often
     a peer's. Printed here, the error that started it is on the screen first.
     """
     print(f"compile_shard demo: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -222,7 +222,11 @@ def main(argv=None) -> None:
             dist.destroy_process_group()
         return
     try:
-        mp.spawn(_worker, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True)
+        # Forked from a server that has imported this module once, not spawned: each
+        # rank skips importing torch again (seconds per rank).
+        mp.start_processes(
+            _worker, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True, start_method="forkserver"
+        )
     except ProcessException:
         raise SystemExit("compile_shard demo failed: each failed rank's error is printed above") from None
 

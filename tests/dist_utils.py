@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import multiprocessing
 import os
 import socket
 import sys
@@ -17,6 +18,18 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
+
+# [Note: ranks forked from a preloaded server]
+# Each rank of a gloo test is a fresh process, so no rank sees another test's Dynamo
+# caches, settings or process group. Spawned, each one imported torch, Inductor and
+# compile_shard again: about 4 s of CPU per rank, most of the suite's time on two cores.
+# A fork server imports them once per test process, and each rank is forked from it:
+# still a process that has run no test (the server never runs one), without the
+# imports. The server keeps the environment it started with: a test that needs another
+# environment variable in its ranks sets it inside the rank function.
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "compile_shard", "dist_utils"]
+)
 
 
 def _free_port() -> int:
@@ -48,7 +61,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
 
 def run_gloo(fn, world_size: int, *args) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises failures."""
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    mp.start_processes(
+        _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
+    )
 
 
 class FakeProcessGroup:

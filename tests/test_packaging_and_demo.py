@@ -33,7 +33,7 @@ def _output(result: subprocess.CompletedProcess) -> str:
 
 
 def test_demo_prints_losses_next_to_the_reference():
-    result = _run_demo("--nproc", "3", "--steps", "2", "--dim", "64", "--backend", "aot_eager")
+    result = _run_demo("--nproc", "3", "--steps", "2", "--layers", "1", "--dim", "64", "--backend", "aot_eager")
     assert result.returncode == 0, _output(result)
     number = r"\s+([0-9.]+)"
     row = rf"^\s+\d+{number}{number}{number} ms{number}{number} ms\s+(\d+)\s+(\d+)$"
@@ -42,7 +42,7 @@ def test_demo_prints_losses_next_to_the_reference():
     for reference, eager, _, compiled, _, all_gathers, reduce_scatters in rows:
         assert abs(float(eager) - float(reference)) <= 1e-6
         assert abs(float(compiled) - float(reference)) <= 1e-6
-        assert (int(all_gathers), int(reduce_scatters)) == (5, 3)  # 2 blocks + root; blocks re-gather in backward
+        assert (int(all_gathers), int(reduce_scatters)) == (3, 2)  # 1 block + root; the block re-gathers in backward
     assert "3 gloo ranks" in result.stdout and "rank 2:" in result.stdout
 
 
