@@ -39,6 +39,7 @@ reads need no numpy.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -52,8 +53,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
@@ -267,3 +269,38 @@ def test_dcp_exchange_with_torch_fsdp2(trained):
     """Recipe 5: DCP checkpoints move between compile_shard and torch FSDP2 both ways (saved at world
     size 2, loaded at 1: the two need not shard alike either)."""
     run_gloo(_exchange_worker, 1, trained)
+
+
+def _full_parameters(model) -> dict[str, torch.Tensor]:
+    return {name: param.full_tensor() for name, param in model.named_parameters()}
+
+
+def _hsdp_exchange_worker(rank, world_size, folder):
+    def build(shard, shape, seed):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        return build_sharded_llama(CONFIG, seed=seed, shard=functools.partial(shard, mesh=mesh))[0]
+
+    hsdp = build(fully_shard, (2, 1), seed=0)
+    fsdp2 = build(torch_fully_shard, (1, 2), seed=1)
+    with torch.no_grad():  # the second direction saves values neither model started from
+        doubled = build(torch_fully_shard, (1, 2), seed=2)
+        for param in doubled.parameters():
+            param.mul_(2)
+    for saver, loader, name in ((hsdp, fsdp2, "hsdp_2x1"), (doubled, hsdp, "fsdp2_1x2")):
+        path = os.path.join(folder, name)
+        dcp.save(get_model_state_dict(saver), checkpoint_id=path)
+        state_dict = get_model_state_dict(loader)
+        dcp.load(state_dict, checkpoint_id=path)
+        set_model_state_dict(loader, state_dict)
+        expected = _full_parameters(saver)
+        for param_name, value in _full_parameters(loader).items():
+            torch.testing.assert_close(value, expected[param_name], rtol=0, atol=0, msg=param_name)
+        for param in loader.parameters():
+            assert param.placements == (Replicate(), Shard(0))
+    assert tuple(next(hsdp.parameters()).device_mesh.shape) == (2, 1)
+
+
+@needs_numpy
+def test_dcp_exchange_between_hsdp_and_torch_fsdp2_on_another_mesh(tmp_path):
+    """Recipe 5 on 2-D meshes: compile_shard HSDP at (2, 1) saves, torch FSDP2 at (1, 2) loads, and back."""
+    run_gloo(_hsdp_exchange_worker, 2, str(tmp_path))
