@@ -554,6 +554,45 @@ def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn
     return usages
 
 
+def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """Buffers registered in the modules' subtrees, minus subtrees already sharded (FSDP2's managed buffers)."""
+    buffers: dict[int, torch.Tensor] = {}
+    stack = list(modules)
+    while stack:
+        module = stack.pop()
+        buffers.update((id(buffer), buffer) for buffer in module._buffers.values() if buffer is not None)
+        stack.extend(child for child in module.children() if _get_state(child) is None)
+    return list(buffers.values())
+
+
+def _move_to_mesh_device(label: str, mesh: DeviceMesh, tensors: list[torch.Tensor]) -> None:
+    """Moves the parameters and buffers this call manages to the mesh's device, in place, as FSDP2 does.
+
+    A model built on the CPU then sharded over a GPU mesh is FSDP2's usual
+    initialization: each ``fully_shard`` moves what it manages to the current device
+    of the mesh's type, through ``.data`` so that references to the parameters stay
+    valid. Meta tensors stay on meta for deferred initialization.
+    """
+    to_move = [tensor for tensor in tensors if not tensor.is_meta]
+    if not to_move:
+        return
+    if mesh.device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        handle = getattr(torch, mesh.device_type, None)
+        if handle is None or not handle.is_available():
+            raise ValueError(
+                f"fully_shard({label}): the mesh covers {mesh.device_type!r} devices, which this process "
+                f"does not have; build the mesh on a device it has (for example init_device_mesh('cpu', ...) "
+                "with gloo), or keep the module on meta"
+            )
+        device = torch.device(mesh.device_type, handle.current_device())
+    with torch.no_grad():
+        for tensor in to_move:
+            if tensor.device != device:
+                tensor.data = tensor.to(device)
+
+
 def _check_mesh(label: str, mesh: DeviceMesh) -> None:
     """Accepts FSDP2's meshes: 1-D (FSDP) or 2-D (HSDP: replicate, shard); refuses one that leaves ranks unsynchronised.
 
@@ -696,13 +735,7 @@ def fully_shard(
             if param not in usages:
                 named[fqn_of[id(param)]] = param
             usages.setdefault(param, []).extend(param_usages)
-    for fqn, param in named.items():
-        if not param.is_meta and param.device.type != mesh.device_type:
-            raise ValueError(
-                f"fully_shard({label}): parameter {fqn!r} is on {param.device} but the mesh "
-                f"covers {mesh.device_type!r} devices; move the module to {mesh.device_type!r} (or keep it "
-                "on meta and materialize it later) before fully_shard"
-            )
+    _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_trainable_dtypes(label, named)
     for fqn, param in named.items():
         placement = None if shard_placement_fn is None else shard_placement_fn(param)

@@ -99,3 +99,29 @@ def test_bf16_mixed_precision_on_one_gpu_matches_torch_fsdp2(nccl_world_of_one, 
         for name, parameter in model.named_parameters():
             assert parameter.dtype == torch.float32
             torch.testing.assert_close(parameter.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
+
+
+def test_a_model_built_on_the_cpu_moves_to_the_mesh_device_as_in_torch_fsdp2(nccl_world_of_one, fresh_dynamo):
+    """FSDP2's usual initialization: build on the CPU, and fully_shard moves parameters and buffers to the GPU."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=2))
+    torch_model = copy.deepcopy(model)
+    for shard, sharded in ((fully_shard, model), (torch_fully_shard, torch_model)):
+        for block in sharded.layers:
+            shard(block)
+        shard(sharded)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert tensor.device == nccl_world_of_one, name
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch_optimizer = torch.optim.AdamW(torch_model.parameters(), lr=1e-3)
+    for step in range(3):
+        tokens = global_batch(step, 1, 2, 16, 1001).to(nccl_world_of_one)
+        for forward, opt in ((model, optimizer), (torch_model, torch_optimizer)):
+            lm_loss(forward, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+    theirs = dict(torch_model.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
