@@ -354,17 +354,17 @@ class FSDPModule(TorchFSDPModule):
             group.set_requires_gradient_sync(bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch: a 1-D mesh has no all-reduce, so any value means what it does in FSDP2.
+        """Sets whether HSDP's backward all-reduces over the replicate dimension, eager and compiled.
 
-        On an HSDP mesh only ``True`` (the default): skipping the replicate all-reduce
-        during gradient accumulation is not supported yet.
+        While False, each backward still reduce-scatters, and adds the reduce-scattered
+        gradients into a buffer per group (one rank's shards) without all-reducing them
+        or touching ``.grad``; the next backward with the all-reduce on adds the buffer
+        and all-reduces once (FSDP2's gradient accumulation for HSDP). A 1-D mesh has no
+        all-reduce, so there it changes nothing, as in FSDP2. A compiled model keeps one
+        graph per setting.
         """
-        if not requires_all_reduce and any(group.replicate_group_name for group in self._groups(recurse)):
-            raise NotImplementedError(
-                "set_requires_all_reduce(False) on an HSDP mesh: compile_shard all-reduces every reduce-scattered "
-                "gradient over the replicate dimension; to accumulate without communication, use "
-                "set_requires_gradient_sync(False) instead"
-            )
+        for group in self._groups(recurse):
+            group.set_requires_all_reduce(bool(requires_all_reduce))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted (FSDP2's knob): every backward here finishes its reductions before it returns.

@@ -230,6 +230,11 @@ class FSDPParamGroup:
         # ([Note: gradient accumulation without sync] in compile_shard.ops).
         self.requires_gradient_sync = True
         self.accumulated_grad: torch.Tensor | None = None
+        # FSDP2's set_requires_all_reduce on HSDP: while False, backward adds the
+        # reduce-scattered gradients into ``partial_reduce_output`` instead of
+        # all-reducing them ([Note: HSDP reduction] in compile_shard.ops).
+        self.requires_all_reduce = True
+        self.partial_reduce_output: torch.Tensor | None = None
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -257,6 +262,19 @@ class FSDPParamGroup:
             numel = self.world_size * sum(part.padded_numels)
             self.accumulated_grad = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Allocates the partial reduction's buffer here, in eager Python, so that a trace only reads it."""
+        self.requires_all_reduce = requires_all_reduce
+        part = self._part_taking_gradients()
+        if (
+            not requires_all_reduce
+            and self.replicate_group_name is not None
+            and self.partial_reduce_output is None
+            and part is not None
+        ):
+            numel = sum(part.padded_numels)
+            self.partial_reduce_output = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
+
     @property
     def reduction_dtype(self) -> torch.dtype:
         """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
@@ -276,11 +294,17 @@ class FSDPParamGroup:
         (an evaluation forward, a refill) leaves it for the next.
         """
         reduction = self.gradient_reduction
+        takes_gradients = torch.is_grad_enabled() and self._takes_gradients(part)
         accumulated_grad, reduce_grads = None, True
-        if self.accumulated_grad is not None and torch.is_grad_enabled() and self._takes_gradients(part):
+        if self.accumulated_grad is not None and takes_gradients:
             accumulated_grad, reduce_grads = self.accumulated_grad, self.requires_gradient_sync
             if reduce_grads:
                 self.accumulated_grad = None
+        partial_reduce_output, all_reduce_grads = None, True
+        if self.partial_reduce_output is not None and takes_gradients and reduce_grads:
+            partial_reduce_output, all_reduce_grads = self.partial_reduce_output, self.requires_all_reduce
+            if all_reduce_grads:
+                self.partial_reduce_output = None
         values = (
             reduction.reduce_op,
             reduction.premul_factor,
@@ -290,8 +314,10 @@ class FSDPParamGroup:
             part.param_dtype,
             self.reduce_dtype,
             self.replicate_group_name,
+            all_reduce_grads,
+            partial_reduce_output,
         )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None, None)
+        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None)
         given = len(values)
         while given and _is_default(values[given - 1], defaults[given - 1]):
             given -= 1

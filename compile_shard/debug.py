@@ -47,7 +47,9 @@ class CollectiveCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         found = collective(func)
-        if found is not None:
+        # The fsdp ops autograd sees issue nothing over a group of one rank
+        # ([Note: a group of one rank] in compile_shard.ops).
+        if found is not None and not (found.synchronous and args[found.size_arg] == 1):
             self.counts[found.kind] += 1
             self.bytes[found.kind] += max(_nbytes(value) for value in (*args, *kwargs.values(), output))
         return output

@@ -52,12 +52,18 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
             pad = padded_numel - numel
         padded.append(flat if pad == 0 else insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0))
     all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
-    all_gather = insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name)
+    inserted = [*casts, *padded, all_gather_input]
+    if world_size == 1:  # [Note: a group of one rank] in compile_shard.ops
+        gathered = all_gather_input
+    else:
+        inserted.append(insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name))
+        gathered = insert(c10d.wait_tensor.default, inserted[-1])
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
         # Save the gathered parameters only, not the copy-in buffers or the un-waited collective.
-        for copy_in_node in [*casts, *padded, all_gather_input, all_gather]:
-            copy_in_node.meta.pop("recompute", None)
-    node.replace_all_uses_with(insert(c10d.wait_tensor.default, all_gather))
+        for copy_in_node in inserted:
+            if copy_in_node is not gathered:
+                copy_in_node.meta.pop("recompute", None)
+    node.replace_all_uses_with(gathered)
     graph.erase_node(node)
 
 
@@ -160,7 +166,11 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         dtype = () if reduce_dtype is None else (reduce_dtype,)
         unsharded_grad = insert(fsdp.reduce_scatter_input.default, gradients, world_size, *dtype)
     shard_numel = node.meta["val"].numel()
-    if reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
+    if world_size == 1:  # [Note: a group of one rank] in compile_shard.ops: a sum or an average of one
+        sharded_grad = unsharded_grad
+        if unsharded_grad.meta["val"].dim() != 1:
+            sharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])
+    elif reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
         split_sizes = [int(shard_numel)] * world_size
         if unsharded_grad.meta["val"].dim() != 1:
             unsharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])

@@ -67,15 +67,6 @@ def test_mesh_of_more_than_two_dims():
         fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 
-def test_hsdp_skipping_the_replicate_all_reduce_is_not_supported_yet():
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    module = fully_shard(nn.Linear(4, 4), mesh=mesh)
-    module.set_requires_all_reduce(True)
-    message = r"set_requires_all_reduce\(False\) on an HSDP mesh.*set_requires_gradient_sync"
-    with pytest.raises(NotImplementedError, match=message):
-        module.set_requires_all_reduce(False)
-
-
 @pytest.mark.parametrize("shape", [(4, 1), (2, 2)], ids=["shard_dim_of_1", "shard_dim_of_2"])
 def test_a_shard_slice_of_an_hsdp_mesh_would_not_sync_replicas(shape):
     """A 1-D slice, mesh["shard"], would reduce within a replica only (or not at all): refused, naming HSDP's mesh."""

@@ -45,7 +45,7 @@ def _hsdp_worker(rank, world_size, shape, backends):
         torch_collectives = _counted_step(theirs, tokens)
         for model, run, backend in zip(models, runs, backends):
             collectives = _counted_step(run, tokens)
-            if backend is None and shape[1] > 1:
+            if backend is None:
                 assert collectives == torch_collectives, (collectives, torch_collectives)
             for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
                 assert param.placements == other.placements == (Replicate(), Shard(0)), name
@@ -62,9 +62,9 @@ def _hsdp_worker(rank, world_size, shape, backends):
 
 
 # (1, 2): FSDP over both ranks with a replicate group of one; (2, 1): NO_SHARD, two
-# replicas of unsharded parameters, all-reduced (compile_shard still runs its
-# all-gather and reduce-scatter over the shard group of one, which FSDP2 skips:
-# copies only, the same numbers); (2, 2): both at once, on 4 processes.
+# replicas of unsharded parameters, all-reduced, with no all-gather and no
+# reduce-scatter ([Note: a group of one rank] in compile_shard.ops); (2, 2): both at
+# once, on 4 processes.
 @pytest.mark.parametrize(
     "shape, backends",
     [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None,))],
@@ -74,9 +74,12 @@ def test_hsdp_matches_torch_fsdp2(shape, backends):
     run_gloo(_hsdp_worker, shape[0] * shape[1], shape, backends)
 
 
-@pytest.mark.parametrize("shape", [(2, 4)])
+@pytest.mark.parametrize("shape", [(2, 4), (2, 1)], ids=["2x4", "2x1_no_shard"])
 def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(shape):
-    """A fake process group of 8: FSDP2's collectives per step, the all-reduces in the backward graph."""
+    """A fake process group: FSDP2's collectives per step, the all-reduces in the backward graph.
+
+    NO_SHARD's graphs gather and reduce-scatter nothing: one all-reduce per group.
+    """
     capture = CapturingBackend()
     torch._dynamo.reset()
     with FakeProcessGroup(shape[0] * shape[1]):
@@ -87,7 +90,49 @@ def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(sh
     torch._dynamo.reset()
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
     groups = CONFIG.n_layers + 1
-    assert op_counts(forward.graph)["all_gather"] == groups
+    sharded = shape[1] > 1
+    assert op_counts(forward.graph)["all_gather"] == (groups if sharded else 0)
     backward_counts = op_counts(backward.graph)
-    assert backward_counts["all_gather"] == CONFIG.n_layers  # the resharded blocks again
-    assert backward_counts["reduce_scatter"] == backward_counts["all_reduce"] == groups
+    assert backward_counts["all_gather"] == (CONFIG.n_layers if sharded else 0)  # the resharded blocks again
+    assert backward_counts["reduce_scatter"] == (groups if sharded else 0)
+    assert backward_counts["all_reduce"] == groups
+
+
+MICRO_BATCHES = 4
+
+
+def _accumulate_without_all_reduce_worker(rank, world_size, backend):
+    """NO_SHARD at (2, 1): the all-reduce on the last micro-batch only; FSDP2's gradients, collectives and graphs."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    theirs, _ = build_sharded_llama(CONFIG, shard=functools.partial(torch_fully_shard, mesh=mesh))
+    ours, _ = build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))
+    run = ours if backend is None else torch.compile(ours, backend=backend)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, ours)]
+    clear_compilation_metrics()
+    counters.clear()
+    for step in range(2):  # compiled, the second step reuses both graphs
+        tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
+        local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)].chunk(MICRO_BATCHES)
+        for index, micro_batch in enumerate(local):
+            last = index == MICRO_BATCHES - 1
+            collectives = []
+            for model, runnable in ((theirs, theirs), (ours, run)):
+                model.set_requires_all_reduce(last)
+                collectives.append(_counted_step(runnable, micro_batch))
+            assert collectives[0] == collectives[1], collectives
+            assert collectives[1][0].get("all_reduce", 0) == (CONFIG.n_layers + 1 if last else 0)
+            for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+                if not last:
+                    assert param.grad is None and other.grad is None, name
+                    continue
+                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    if backend is not None:  # one graph per setting
+        assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"] and recompiles() == 1
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_accumulating_without_the_all_reduce_matches_torch_fsdp2(backend):
+    run_gloo(_accumulate_without_all_reduce_worker, 2, backend)

@@ -158,6 +158,41 @@ def test_lower_saved_gather_saves_only_the_wait():
     assert "recompute" not in gather.meta and "recompute" not in gather.args[0].meta
 
 
+def test_lower_a_group_of_one_rank_to_its_copy_in_without_a_collective():
+    """[Note: a group of one rank]: the gathered parameters are the copy-in, saved when the group keeps them."""
+
+    def fn(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], 1, GROUP)
+        weight, bias = gathered.split([12, 2])
+        return x @ weight.reshape(3, 4)[:, :3].t() + bias[:1]
+
+    graph_module = trace(fn, torch.randn(2, 4), torch.randn(1), torch.randn(2, 3))
+    annotate_group(graph_module.graph, "root", reshard_after_forward=False)
+    reshard(graph_module.graph)
+    assert lower(graph_module.graph) == 1
+    assert op_counts(graph_module.graph) == {}
+    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
+    assert cat.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert all("recompute" not in piece.meta for piece in cat.args[0])
+    shards = (torch.randn(2, 4), torch.randn(1), torch.randn(2, 3))
+    torch.testing.assert_close(graph_module(*shards), fn(*shards), rtol=0, atol=0)
+    verify(graph_module.graph)
+
+
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_lower_reduce_scatter_over_one_rank_to_its_input(reduce_op):
+    def fn(grad):
+        return torch.ops.fsdp.reduce_scatter_grad(grad, 1, GROUP, reduce_op)
+
+    graph_module = trace(fn, torch.randn(2, 4))
+    assert lower(graph_module.graph) == 1
+    assert op_counts(graph_module.graph) == {}
+    (output,) = graph_module.graph.find_nodes(op="output")[0].all_input_nodes
+    assert output.target is aten.reshape.default and output.args[1] == [-1]
+    grad = torch.randn(2, 4)
+    torch.testing.assert_close(graph_module(grad), grad.reshape(-1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("reduce_op, divides", [("avg", True), ("sum", False)])
 def test_lower_reduce_scatter(reduce_op, divides):
     def fn(grad):

@@ -26,6 +26,13 @@ No op takes a rank. A rank argument would make every rank's graph different; the
 collectives take ``world_size`` and a process-group name instead, like
 ``_c10d_functional``. Padding is expressed as the per-parameter *padded* shard numel,
 which is the same on every rank.
+
+[Note: a group of one rank]
+A group of one rank (the shard dimension of a (N, 1) HSDP mesh, FSDP2's NO_SHARD, or
+a world of one) gathers and reduce-scatters nothing: the all-gather output is the
+all-gather input and the sharded gradient is the reduce-scatter input, a sum or an
+average of one. The kernels and ``lower`` issue no collective for it, as FSDP2 issues
+none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 """
 
 from . import transport

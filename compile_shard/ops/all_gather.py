@@ -23,7 +23,8 @@ _lib.define(
     "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
     "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
-    "ScalarType? reduce_dtype=None, str? replicate_group_name=None) -> Tensor"
+    "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
+    "Tensor? partial_reduce_output=None) -> Tensor"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -77,12 +78,16 @@ class _Options:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     replicate_group_name: str | None = None
+    all_reduce_grads: bool = True
+    partial_reduce_output: torch.Tensor | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
     param_dtype = _Options(*options).param_dtype
     _check_shards(shards, padded_numels, param_dtype)
     all_gather_input = _copy_in(shards, padded_numels, param_dtype)
+    if world_size == 1:  # [Note: a group of one rank]
+        return all_gather_input
     funcol = torch.ops._c10d_functional
     if gathers_by_send_recv(group_name, all_gather_input.device):
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
@@ -130,7 +135,12 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     dimension's group, and ``replicate_group_name`` names the replicate dimension's: the
     reduce-scattered gradient is all-reduced over it with the same reduce op, FSDP2's
     order (an average over both when the divide factor is the data-parallel size, else
-    sums between the pre-multiplication and the post-division).
+    sums between the pre-multiplication and the post-division). With
+    ``all_reduce_grads=False`` (FSDP2's ``set_requires_all_reduce(False)``) the backward
+    adds the reduce-scattered gradient into ``partial_reduce_output`` (a buffer the size
+    of one rank's shards, owned by the group, written only here like
+    ``accumulated_grad``) and gives the shards no gradient; the next backward that
+    all-reduces adds that buffer to its reduce-scattered gradient first.
 
     [Note: mixed-precision reduction]
     FSDP2's ``MixedPrecisionPolicy``: the copy-in casts the shards to ``param_dtype``,
@@ -156,6 +166,11 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
         unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
     )
     if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
+        if not options.all_reduce_grads:
+            options.partial_reduce_output.add_(sharded_grad)
+            return [None] * len(ctx.shard_shapes), *[None] * (len(ctx.needs_input_grad) - 1)
+        if options.partial_reduce_output is not None:
+            sharded_grad = sharded_grad + options.partial_reduce_output
         funcol = torch.ops._c10d_functional
         reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
         sharded_grad = funcol.wait_tensor(reduced)

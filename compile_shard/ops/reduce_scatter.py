@@ -56,6 +56,8 @@ def _check_divisible(op_name: str, tensor: torch.Tensor, world_size) -> None:
 
 def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg"):
     _check_reduce_op("reduce_scatter_grad", reduce_op)
+    if world_size == 1:  # [Note: a group of one rank]: a sum or an average of one
+        return unsharded_grad.reshape(-1).clone()
     funcol = torch.ops._c10d_functional
     if reduces_by_all_to_all(group_name, unsharded_grad.device):
         split_sizes = [unsharded_grad.numel() // world_size] * world_size
