@@ -1,9 +1,10 @@
-"""The CUDA path on one GPU: the runtime and the compiled graphs train like the unsharded model.
+"""The CUDA path on one GPU: the runtime and the compiled graphs train like the unsharded model and torch FSDP2.
 
-One GPU holds one rank, so the group is NCCL with world size 1: the ``fsdp`` ops run
-their CUDA kernels on real NCCL collectives (of one rank), and the compiled graphs
-run Inductor's Triton kernels for the copy-in, copy-out and reductions. The other
-tests cover sharding across ranks on CPU; these are skipped where torch sees no GPU.
+One GPU holds one rank, so the group is NCCL with world size 1. A group of one rank
+issues no collective, as in FSDP2 ([Note: a group of one rank] in compile_shard.ops):
+these run the ``fsdp`` ops' CUDA kernels (copy-in with its casts, the reductions'
+arithmetic) and, compiled, Inductor's Triton kernels for them. The other tests cover
+sharding across ranks on CPU; these are skipped where torch sees no GPU.
 """
 
 import copy
