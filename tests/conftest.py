@@ -18,3 +18,30 @@ def fresh_dynamo():
     clear_compilation_metrics()
     yield
     torch._dynamo.reset()
+
+
+# The slowest files on two cores, slowest first, as CI's --durations shows them.
+# pytest-xdist hands whole files to the
+# worker that frees up (--dist loadfile, --no-loadscope-reorder in pyproject.toml):
+# starting with these keeps one worker from finishing the suite alone on a long file.
+SLOWEST_FILES = (
+    "test_regions.py",
+    "test_compile.py",
+    "test_train_bench.py",
+    "test_mixed_precision.py",
+    "test_fsdp_module.py",
+    "test_collectives.py",
+    "test_cold_start.py",
+    "test_frozen.py",
+    "test_parity.py",
+    "test_hsdp.py",
+    "test_gradient_sync.py",
+    "test_examples.py",
+    "test_packaging_and_demo.py",
+    "test_checkpointing.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

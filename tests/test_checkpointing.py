@@ -32,9 +32,9 @@ In torch 2.13, DCP's save and load plan through object collectives
 and ``broadcast_from_rank0`` sends the state dict's layout with
 ``dist.broadcast_object_list``. Each rank that receives an object decodes it with
 ``Tensor.numpy()`` (``_tensor_to_object`` in torch/distributed/distributed_c10d.py),
-which raises "RuntimeError: Numpy is not available" without numpy. The project does not
-depend on numpy, so those tests are skipped there; full state dicts that every rank
-reads need no numpy.
+which raises "RuntimeError: Numpy is not available" without numpy. compile_shard does
+not depend on numpy; the ``test`` extra installs it, and those tests skip where it is
+missing. Full state dicts that every rank reads need no numpy.
 """
 
 from __future__ import annotations
