@@ -18,7 +18,9 @@ wait and copy-out stay right before its first reader. A group's
 prefetching group's wait. A reduce unit is issued as soon as its last gradient is
 computed; its wait goes right after the next ``reduce_scatter_depth``-th reduce unit
 is issued (the last ones at the end), so that many reductions are in flight while
-backward computes; the division (or sum) that reads the wait follows it at once. All
+backward computes; the division (or sum) that reads the wait follows it at once. On
+HSDP the replicate all-reduce of the reduced gradient is issued right after that and
+waited with the reduce-scatter ``reduce_scatter_depth`` units later. All
 of it is one priority-ordered topological sort (``reorder_by_priority``), so data
 dependencies always win over the schedule.
 
@@ -140,6 +142,14 @@ def _reduce_priorities(graph, position, depth: int) -> dict[fx.Node, float]:
         priority[unit.wait] = ready_at[id(units[j + depth])] + 0.75 if j + depth < len(units) else end
         for node in _reduced(unit):
             priority[node] = priority[unit.wait]
+    for j, unit in enumerate(units):
+        for all_reduce in _all_reduces(unit):
+            # HSDP: the replicate all-reduce is issued once the reduce-scatter is waited
+            # and waited when the reduce-scatter ``depth`` units later is, so it runs
+            # behind that backward compute as the reduce-scatters do.
+            priority[all_reduce] = priority[unit.wait]
+            later = j + depth
+            priority[next(iter(all_reduce.users))] = priority[units[later].wait] + 0.1 if later < len(units) else end
     return priority
 
 
@@ -151,6 +161,17 @@ def _reduced(unit: _Unit) -> list[fx.Node]:
     then; right after the wait, each frees its buffer before the next group reduces.
     """
     return [user for user in unit.wait.users if group_annotation(user) is not None]
+
+
+def _all_reduces(unit: _Unit) -> list[fx.Node]:
+    """HSDP's all-reduces of the unit's reduced gradient ([Note: HSDP reduction] in compile_shard.ops)."""
+    reduced = _reduced(unit) or [unit.wait]
+    return [
+        user
+        for node in reduced
+        for user in node.users
+        if user.target is c10d.all_reduce.default and group_annotation(user) is not None and len(user.users) == 1
+    ]
 
 
 def reorder(graph: fx.Graph, prefetch_depth: int = 1, reduce_scatter_depth: int = 1) -> int:

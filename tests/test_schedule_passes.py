@@ -337,6 +337,47 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_
         assert reduced.prev is wait, (wait.name, reduced.name)
 
 
+def _hsdp_backward_like(g_a, g_b, g_c, x):
+    """``_backward_like`` on HSDP: each reduce-scattered gradient is all-reduced over the replicate group."""
+    funcol = torch.ops._c10d_functional
+    return [funcol.wait_tensor(funcol.all_reduce(grad, "avg", GROUP)) for grad in _backward_like(g_a, g_b, g_c, x)]
+
+
+def test_schedule_overlaps_hsdp_all_reduces_like_the_reduce_scatters():
+    graph_module = trace(_hsdp_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
+    graph = graph_module.graph
+    _annotate_reductions(graph, ["c", "b", "a"])
+    lower(graph)
+    for all_reduce in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        # the runtime's trace annotates them with the group, as every node of its reduction
+        write_group_annotation(all_reduce, group_annotation(all_reduce.args[0]))
+    output = graph.find_nodes(op="output")[0]
+    for node in [n for n in graph.nodes if n.meta.get("custom") or n.target is aten.div.Tensor]:
+        output.prepend(node)  # where the partitioner leaves them
+    for all_reduce in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        output.prepend(all_reduce)
+        output.prepend(next(iter(all_reduce.users)))
+    reorder(graph, reduce_scatter_depth=1)
+    verify(graph)
+    all_reduces = _position(graph, _is(c10d.all_reduce.default))
+    reduce_scatters = _position(graph, _is(c10d.reduce_scatter_tensor.default))
+    divisions = _position(graph, _is(aten.div.Tensor))
+    tanhs = _position(graph, _is(aten.tanh.default))
+    all_reduce_waits = [
+        index for index, node in enumerate(graph.nodes) if node.target is c10d.wait_tensor.default
+        and node.args[0].target is c10d.all_reduce.default
+    ]  # fmt: skip
+    # All-reduce k follows its division at once (the last one, with nothing left to hide behind, at the
+    # end) and is waited after reduce-scatter k+2 is issued: the first runs behind the last gradient's compute.
+    assert [index - 1 for index in all_reduces[:2]] == divisions[:2] and all_reduces[2] > divisions[2]
+    assert all_reduces[0] < tanhs[2] < all_reduce_waits[0]
+    assert reduce_scatters[2] < all_reduce_waits[0]
+    reorder(graph, reduce_scatter_depth=0)
+    all_reduces = _position(graph, _is(c10d.all_reduce.default))
+    for index in all_reduces:  # depth 0: each is waited at once
+        assert list(graph.nodes)[index + 1].args[0] is list(graph.nodes)[index]
+
+
 def test_schedule_leaves_graphs_without_annotated_collectives_alone():
     graph_module = trace(_three_layers, *_inputs())
     lower(graph_module.graph)
