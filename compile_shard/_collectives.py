@@ -25,27 +25,29 @@ class Collective:
     in_place: bool = False
     #: Waits inside the op (the ``fsdp`` ops autograd sees); the others return before the data is there.
     synchronous: bool = False
+    #: Index of the argument that names the process group (``None``: not in compiled graphs).
+    group_arg: int | None = None
 
 
 # (namespace, op name) -> what it is. Ops a torch build lacks are left out of COLLECTIVES.
 _TABLE = {
     # compile_shard's ops (compile_shard.ops).
-    ("fsdp", "all_gather_into"): Collective("all_gather", size_arg=2, synchronous=True),
-    ("fsdp", "reduce_scatter_grad"): Collective("reduce_scatter", size_arg=1, synchronous=True),
-    ("fsdp", "all_gather_send_recv_"): Collective("all_gather", size_arg=2, in_place=True),
-    ("fsdp", "all_gather_params_"): Collective("all_gather", size_arg=3, in_place=True),
-    ("fsdp", "all_to_all_into_"): Collective("all_to_all", size_arg=2, in_place=True),
-    ("fsdp", "all_to_all_grads_"): Collective("all_to_all", size_arg=2, in_place=True),
+    ("fsdp", "all_gather_into"): Collective("all_gather", size_arg=2, synchronous=True, group_arg=3),
+    ("fsdp", "reduce_scatter_grad"): Collective("reduce_scatter", size_arg=1, synchronous=True, group_arg=2),
+    ("fsdp", "all_gather_send_recv_"): Collective("all_gather", size_arg=2, in_place=True, group_arg=3),
+    ("fsdp", "all_gather_params_"): Collective("all_gather", size_arg=3, in_place=True, group_arg=4),
+    ("fsdp", "all_to_all_into_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
+    ("fsdp", "all_to_all_grads_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
     # torch's functional collectives: what compiled graphs hold after lowering.
-    ("_c10d_functional", "all_gather_into_tensor"): Collective("all_gather", size_arg=1),
-    ("_c10d_functional", "all_gather_into_tensor_out"): Collective("all_gather", size_arg=1),
+    ("_c10d_functional", "all_gather_into_tensor"): Collective("all_gather", size_arg=1, group_arg=2),
+    ("_c10d_functional", "all_gather_into_tensor_out"): Collective("all_gather", size_arg=1, group_arg=2),
     ("_c10d_functional", "all_gather_into_tensor_coalesced"): Collective("all_gather"),
-    ("_c10d_functional", "reduce_scatter_tensor"): Collective("reduce_scatter", size_arg=2),
+    ("_c10d_functional", "reduce_scatter_tensor"): Collective("reduce_scatter", size_arg=2, group_arg=3),
     ("_c10d_functional", "reduce_scatter_tensor_coalesced"): Collective("reduce_scatter"),
-    ("_c10d_functional", "all_reduce"): Collective("all_reduce"),
-    ("_c10d_functional", "all_reduce_"): Collective("all_reduce", in_place=True),  # what Inductor emits
+    ("_c10d_functional", "all_reduce"): Collective("all_reduce", group_arg=2),
+    ("_c10d_functional", "all_reduce_"): Collective("all_reduce", in_place=True, group_arg=2),  # what Inductor emits
     ("_c10d_functional", "all_reduce_coalesced"): Collective("all_reduce"),
-    ("_c10d_functional", "all_to_all_single"): Collective("all_to_all", size_arg=1),
+    ("_c10d_functional", "all_to_all_single"): Collective("all_to_all", size_arg=1, group_arg=3),
     # torch's process-group ops: what eager torch FSDP2 and DDP dispatch.
     ("c10d", "_allgather_base_"): Collective("all_gather"),
     ("c10d", "allgather_"): Collective("all_gather"),

@@ -11,11 +11,14 @@ model reads only the fake tensors in ``meta["val"]``:
   (``torch.utils.flop_counter``) for matmuls, attention and convolutions; every other
   op is charged for the bytes it reads and writes. Views and metadata ops cost 0.
 - collectives: the ring model NCCL's bus bandwidth is defined by: ``(W-1)/W`` of the
-  buffer over the per-rank bus bandwidth, plus one latency per ring step.
+  buffer over the per-rank bus bandwidth, plus one latency per ring step. A profile
+  of several nodes charges a group that spans nodes the slower network's bandwidth
+  and latency (HSDP's replicate all-reduce crosses it).
 
 The numbers are for comparing schedules on one profile, not wall-time predictions:
 fusion, caches and link contention are ignored. ``PROFILES`` holds an H100 node
-(NVLink), H100s over InfiniBand, and this CPU machine as the gloo demo uses it
+(NVLink), H100s over InfiniBand, nodes of 8 H100s (NVLink inside, InfiniBand
+across), and this CPU machine as the gloo demo uses it
 (measured by ``benchmarks/calibrate_cpu.py``, stored in ``cpu_gloo.json``).
 Symbolic sizes use their hints (``optimization_hint``; unbacked sizes get its fallback).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import operator
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,18 @@ class HardwareProfile:
     #: False where collectives need the cores compute runs on (gloo with every core
     #: busy computing): nothing overlaps, every collective is exposed in full.
     overlaps_communication: bool = True
+    #: Ranks per node where a second, slower network joins the nodes (HSDP's replicate
+    #: groups cross it); ``None``: every collective runs on ``link_bytes_per_s``.
+    ranks_per_node: int | None = None
+    #: Bus bandwidth and ring-step latency of a collective whose group spans nodes.
+    inter_node_bytes_per_s: float | None = None
+    inter_node_latency_s: float | None = None
+
+    def link(self, ranks: list[int] | None) -> tuple[float, float]:
+        """Bus bandwidth and ring-step latency for a group of these global ranks (``None``: unknown, one node)."""
+        if self.ranks_per_node is None or ranks is None or len({rank // self.ranks_per_node for rank in ranks}) < 2:
+            return self.link_bytes_per_s, self.link_latency_s
+        return self.inter_node_bytes_per_s, self.inter_node_latency_s
 
     def peak_flops(self, dtype: torch.dtype | None) -> float:
         return self.flops_per_s.get(dtype, min(self.flops_per_s.values()))
@@ -82,6 +98,9 @@ class HardwareProfile:
             "link_latency_s": self.link_latency_s,
             "description": self.description,
             "overlaps_communication": self.overlaps_communication,
+            "ranks_per_node": self.ranks_per_node,
+            "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
+            "inter_node_latency_s": self.inter_node_latency_s,
         }
 
     @classmethod
@@ -96,6 +115,9 @@ class HardwareProfile:
             link_latency_s=float(data["link_latency_s"]),
             description=data["description"],
             overlaps_communication=bool(data.get("overlaps_communication", True)),
+            ranks_per_node=data.get("ranks_per_node"),
+            inter_node_bytes_per_s=data.get("inter_node_bytes_per_s"),
+            inter_node_latency_s=data.get("inter_node_latency_s"),
         )
 
 
@@ -123,6 +145,18 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "h100_ib400": _h100(
         "h100_ib400", 45e9, 20e-6, "H100 SXM, collectives across nodes over 400 Gb/s InfiniBand (effective bus bandwidth)"
+    ),
+    # HSDP's machine: shard groups inside a node, replicate groups across nodes.
+    "h100_nvlink_ib400": dataclasses.replace(
+        _h100(
+            "h100_nvlink_ib400",
+            370e9,
+            10e-6,
+            "nodes of 8 H100 SXM: collectives inside a node over NVLink, across nodes over 400 Gb/s InfiniBand",
+        ),
+        ranks_per_node=8,
+        inter_node_bytes_per_s=45e9,
+        inter_node_latency_s=20e-6,
     ),
     "cpu_gloo": HardwareProfile.from_json(json.loads(CPU_GLOO_PATH.read_text())),
 }
@@ -291,6 +325,9 @@ class CollectiveInfo:
 
     kind: str  # "all_gather", "reduce_scatter", "all_reduce" or "all_to_all"
     world_size: int
+    #: The group's global ranks, where its process group is live here (the profile's
+    #: network for them: ``HardwareProfile.link``).
+    ranks: list[int] | None
     #: The buffer the ring moves: an all-gather's output, any other collective's input.
     bytes: int
     #: ``fsdp`` ops wait inside the op; ``_c10d_functional`` ones return before the data is there.
@@ -309,6 +346,16 @@ def _group_size(group_name: str) -> int | None:
     try:
         return dist.distributed_c10d._get_group_size_by_name(group_name)
     except RuntimeError:  # no group of that name in this process
+        return None
+
+
+def _group_ranks(group_name: object) -> list[int] | None:
+    """The global ranks of a live process group registered as ``group_name``, if there is one."""
+    if not isinstance(group_name, str) or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+    except (RuntimeError, ValueError):  # no group of that name in this process
         return None
 
 
@@ -334,7 +381,8 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
             )
     # The first argument of fsdp.all_to_all_into_ / all_to_all_grads_ is their output, of the input's size.
     buffer = waited_node(node).meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
-    return CollectiveInfo(kind, size, tensor_bytes(buffer), synchronous)
+    ranks = None if found.group_arg is None else _group_ranks(node.args[found.group_arg])
+    return CollectiveInfo(kind, size, ranks, tensor_bytes(buffer), synchronous)
 
 
 def collective_seconds(node: fx.Node, profile: HardwareProfile, world_size: int | None = None) -> float:
@@ -350,5 +398,6 @@ def collective_seconds(node: fx.Node, profile: HardwareProfile, world_size: int 
     if info is None:
         raise ValueError(f"{node.name} ({node.target}) is not a collective the cost model knows")
     steps = info.world_size - 1
-    ring = steps / info.world_size * info.bytes / profile.link_bytes_per_s + steps * profile.link_latency_s
+    bytes_per_s, latency_s = profile.link(info.ranks)
+    ring = steps / info.world_size * info.bytes / bytes_per_s + steps * latency_s
     return 2 * ring if info.kind == "all_reduce" else ring

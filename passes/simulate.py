@@ -118,16 +118,18 @@ class Simulation:
     memory_timeline: list[tuple[float, int]]
 
     def exposed_beyond_first_and_last(self) -> float:
-        """Exposed communication except that of the first all-gather and the last reduce-scatter.
+        """Exposed communication except that of the first all-gather and the last reduction.
 
         No compute precedes a step's first all-gather and none follows its last
-        reduce-scatter, so those two can never be hidden: a schedule that overlaps
-        everything else scores 0 here.
+        reduce-scatter (nor, on HSDP, the last all-reduce), so those can never be
+        hidden: a schedule that overlaps everything else scores 0 here.
         """
         gathers = [record for record in self.collectives if record.kind == "all_gather"]
         scatters = [record for record in self.collectives if record.kind in ("reduce_scatter", "all_to_all")]
+        all_reduces = [record for record in self.collectives if record.kind == "all_reduce"]
         unavoidable = [gathers[0]] if gathers else []
         unavoidable += [scatters[-1]] if scatters else []
+        unavoidable += [all_reduces[-1]] if all_reduces else []
         return sum(
             record.exposed_seconds
             for record in self.collectives

@@ -1,6 +1,7 @@
 """The cost model and the two-lane simulator on small hand-built graphs, with a round-number profile."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -185,6 +186,28 @@ def test_all_reduce_is_two_reduce_scatters_with_the_group_size_from_its_process_
     assert collective_seconds(all_reduce, PROFILE, world_size=2) == pytest.approx(2 * (0.5 * 8192 / 1e9 + 1e-5))
     with pytest.raises(ValueError, match="pass world_size"):
         collective_seconds(all_reduce, PROFILE)
+
+
+def test_a_group_that_spans_nodes_is_charged_the_network_between_them():
+    """h100_nvlink_ib400 on a (2, 8) HSDP mesh of 16: shard groups stay in a node, replicate groups cross nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    profile = get_profile("h100_nvlink_ib400")
+    with FakeProcessGroup(16):
+        mesh = init_device_mesh("cpu", (2, 8), mesh_dim_names=("replicate", "shard"))
+        shard_group, replicate_group = (mesh.get_group(name).group_name for name in ("shard", "replicate"))
+
+        def collectives(full, shard):
+            scattered = c10d.wait_tensor(c10d.reduce_scatter_tensor(full, "sum", 8, shard_group))
+            return scattered, c10d.wait_tensor(c10d.all_reduce(shard, "avg", replicate_group))
+
+        graph_module = trace(collectives, torch.randn(8 * 1024), torch.randn(1024))
+        scatter = collective_seconds(_node(graph_module, c10d.reduce_scatter_tensor.default), profile)
+        all_reduce = collective_seconds(_node(graph_module, c10d.all_reduce.default), profile)
+    assert scatter == pytest.approx(7 / 8 * 8 * 4096 / 370e9 + 7 * 10e-6)  # NVLink
+    assert all_reduce == pytest.approx(2 * (0.5 * 4096 / 45e9 + 20e-6))  # InfiniBand
+    round_trip = HardwareProfile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert round_trip == profile
 
 
 def test_all_to_all_moves_what_a_reduce_scatter_of_the_same_input_moves():

@@ -38,3 +38,17 @@ def test_a_schedule_that_changes_a_joint_graph_pass_is_refused(monkeypatch):
     config = LlamaConfig(dim=16, n_layers=1, n_heads=2)
     with pytest.raises(ValueError, match=r"schedule 'buckets' overrides \['bucket_cap_mb'\], which the joint-graph"):
         simulate_schedules(config, 2, 1, 8, "h100_ib400", ("suite", "buckets"))
+
+
+def test_hsdp_all_reduces_hide_behind_backward_except_the_last_two():
+    """HSDP on two nodes (h100_nvlink_ib400, a (2, 8) mesh of 16): each replicate all-reduce crosses InfiniBand
+    behind the next group's backward, except block 0's and the root's, which only the embedding's backward follows."""
+    config = LlamaConfig(dim=512, n_layers=2, n_heads=8, ffn_hidden=1408, max_seq_len=1024)
+    reports = {
+        report.schedule: report
+        for report in simulate_schedules(
+            config, 16, 16, 1024, "h100_nvlink_ib400", ("partitioner", "suite"), mesh_shape=(2, 8)
+        )
+    }
+    assert reports["suite"].exposed_all_reduces == ["layers.0", "Llama"]
+    assert reports["partitioner"].exposed_all_reduces == ["layers.1", "layers.0", "Llama"]
