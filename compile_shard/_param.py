@@ -39,7 +39,10 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   (``"layers.0"``, the root ``""``), the name the passes' annotation carries
   ([Note: the group annotation]). A bucket is several groups merged by the passes.
 - process group: the c10d group the collectives run on (the mesh's); ops take its
-  name, ``group_name``.
+  name, ``group_name``. On HSDP's 2-D mesh the shard group (dim 1) gathers and
+  reduce-scatters, and the replicate group (dim 0) all-reduces the sharded gradient
+  ([Note: HSDP reduction] in compile_shard.ops); a group of one rank issues no
+  collective ([Note: a group of one rank]).
 
 The passes add three words for sets of nodes: a group's *copy-out chain* (the
 copy-out's nodes, ``passes.patterns.copy_out_chain``), its all-gather or reduction
