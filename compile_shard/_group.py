@@ -259,8 +259,7 @@ class FSDPParamGroup:
         self.requires_gradient_sync = requires_gradient_sync
         part = self._part_taking_gradients()
         if not requires_gradient_sync and self.accumulated_grad is None and part is not None:
-            numel = self.world_size * sum(part.padded_numels)
-            self.accumulated_grad = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
+            self.accumulated_grad = self._gradient_buffer(self.world_size * sum(part.padded_numels))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Allocates the partial reduction's buffer here, in eager Python, so that a trace only reads it."""
@@ -272,8 +271,11 @@ class FSDPParamGroup:
             and self.partial_reduce_output is None
             and part is not None
         ):
-            numel = sum(part.padded_numels)
-            self.partial_reduce_output = self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
+            self.partial_reduce_output = self._gradient_buffer(sum(part.padded_numels))
+
+    def _gradient_buffer(self, numel: int) -> torch.Tensor:
+        """A zeroed buffer for gradients accumulated between reductions, in the reduction dtype."""
+        return self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
 
     @property
     def reduction_dtype(self) -> torch.dtype:

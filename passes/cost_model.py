@@ -25,9 +25,9 @@ Symbolic sizes use their hints (``optimization_hint``; unbacked sizes get its fa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
