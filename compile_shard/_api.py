@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._group import FSDPParamGroup
@@ -593,12 +593,14 @@ def _move_to_mesh_device(label: str, mesh: DeviceMesh, tensors: list[torch.Tenso
                 tensor.data = tensor.to(device)
 
 
-def _check_mesh(label: str, mesh: DeviceMesh) -> None:
+def _check_mesh(label: str, mesh: DeviceMesh, tensor_parallel_dims: set[str]) -> None:
     """Accepts FSDP2's meshes: 1-D (FSDP) or 2-D (HSDP: replicate, shard); refuses one that leaves ranks unsynchronised.
 
     A 1-D slice of a larger mesh reduces gradients within itself only: sharding over
     ``mesh["shard"]`` of a (replicate, shard) mesh would never reduce across replicas,
-    and with a shard dim of size 1 not at all. Pass the 2-D mesh instead (HSDP).
+    and with a shard dim of size 1 not at all. Pass the 2-D mesh instead (HSDP). The
+    other dims may hold tensor parallelism (``tensor_parallel_dims``: the dims of the
+    DTensor parameters' meshes), which keeps those ranks in step by itself.
     """
     if mesh.ndim > 2:
         raise ValueError(
@@ -609,14 +611,52 @@ def _check_mesh(label: str, mesh: DeviceMesh) -> None:
     root = mesh._get_root_mesh()
     if mesh.ndim == 2 or root is mesh or root.size() == mesh.size():
         return
-    others = [name for name in root.mesh_dim_names or () if name not in (mesh.mesh_dim_names or ())]
-    if mesh.size() == 1 or any("replicate" in name for name in others):
+    others = [
+        name
+        for name in root.mesh_dim_names or ()
+        if name not in (mesh.mesh_dim_names or ()) and name not in tensor_parallel_dims
+    ]
+    if others and (mesh.size() == 1 or any("replicate" in name for name in others)):
         raise ValueError(
             f"fully_shard({label}): the mesh {mesh.mesh_dim_names} of size {mesh.size()} is a slice of the "
             f"{tuple(root.shape)} mesh {root.mesh_dim_names}; gradients would be reduced within it only, never "
             f"across {others}, so replicas would train apart. For HSDP pass the 2-D (replicate, shard) mesh, "
             "e.g. mesh[('replicate', 'shard')]"
         )
+
+
+def _tensor_parallel_dims(modules: list[nn.Module]) -> set[str]:
+    """The mesh dims that the modules' DTensor parameters (tensor parallelism, sharded or not yet) live on."""
+    return {
+        name
+        for module in modules
+        for param in module.parameters()
+        if isinstance(param, DTensor)
+        for name in param.device_mesh.mesh_dim_names or ()
+    }
+
+
+def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter]) -> None:
+    """A DTensor parameter: FSDP2's tensor parallelism, one Shard or Replicate placement on another dim of the same mesh."""
+    for fqn, param in named.items():
+        if not isinstance(param, DTensor):
+            continue
+        tp_mesh = param.device_mesh
+        if tp_mesh.ndim != 1 or not all(type(p) in (Shard, Replicate) for p in param.placements):
+            raise NotImplementedError(
+                f"fully_shard({label}): parameter {fqn!r} is a DTensor with placements {param.placements} on the "
+                f"{tp_mesh.ndim}-D mesh {tp_mesh.mesh_dim_names}; compile_shard shards tensor-parallel parameters "
+                "with one Shard or Replicate placement on a 1-D tensor-parallel mesh (as ColwiseParallel and "
+                "RowwiseParallel make them). Parallelize the module with such a plan first"
+            )
+        tp_dims, dp_dims = tp_mesh.mesh_dim_names, mesh.mesh_dim_names
+        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or tp_mesh._get_root_mesh() is not mesh._get_root_mesh():
+            raise ValueError(
+                f"fully_shard({label}): parameter {fqn!r} is a DTensor on the mesh {tp_dims}, which is not another "
+                f"dim of the data-parallel mesh {dp_dims}'s named mesh. Slice both from one mesh, e.g. "
+                "world_mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
+                "parallelize_module(..., world_mesh['tp'], plan) and fully_shard(..., mesh=world_mesh['dp'])"
+            )
 
 
 def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
@@ -713,7 +753,9 @@ def fully_shard(
     after forward and gathers them again before backward; ``None`` (the default)
     means True except for the root module, as in FSDP2 (an int is FSDP2's group size
     to reshard to: the world size and 1 are supported). A list of modules forms one
-    group, unsharded until each of them has run its forward. ``ignored_params`` stay
+    group, unsharded until each of them has run its forward. Parameters that are
+    DTensors on a tensor-parallel mesh (after ``parallelize_module``) are sharded over
+    ``mesh`` beside it, as in FSDP2. ``ignored_params`` stay
     plain, unsharded parameters whose gradients are not reduced. The other arguments
     take FSDP2's values where they mean what compile_shard already does (for example
     the default ``MixedPrecisionPolicy()``) and raise ``NotImplementedError`` otherwise.
@@ -722,7 +764,7 @@ def fully_shard(
     label = "+".join(_label(m) for m in modules)
     _check_unsupported_arguments(label, mp_policy, offload_policy, dp_mesh_dims)
     mesh = mesh if mesh is not None else _default_mesh()
-    _check_mesh(label, mesh)
+    _check_mesh(label, mesh, _tensor_parallel_dims(modules))
     reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size())
     ignored = {id(param) for param in ignored_params or ()}
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
@@ -735,6 +777,7 @@ def fully_shard(
             if param not in usages:
                 named[fqn_of[id(param)]] = param
             usages.setdefault(param, []).extend(param_usages)
+    _check_tensor_parallel_params(label, mesh, named)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_trainable_dtypes(label, named)
     for fqn, param in named.items():

@@ -29,6 +29,12 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   parameter (``passes.patterns.match_copy_out``).
 - unsharded parameter (``FSDPParam.unsharded_param``): the full ``rows``-row tensor
   the forward computes with, shown to the modules between unshard and reshard.
+- tensor-parallel parameter: an original parameter that is already a DTensor on a
+  tensor-parallel (TP) mesh, after ``parallelize_module``. Its local tensor takes the
+  original parameter's place above: sharded on dim 0 over the data-parallel mesh,
+  gathered back, and shown to the modules as a DTensor with the TP placements, so the
+  forward's TP collectives run as they do without fully_shard ([Note: sharding a
+  tensor-parallel parameter]).
 - reduce-scatter input: a group's unsharded gradients padded and laid out rank-major
   (``fsdp::reduce_scatter_input``), the all-gather output's layout, in the reduction
   dtype: the policy's ``reduce_dtype``, else the trainable parameters' wire dtype
@@ -61,6 +67,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
 from ._layout import padded_rows
@@ -116,6 +124,26 @@ def shard_placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
     return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
 
 
+def tensor_parallel_layout(
+    mesh: DeviceMesh, tp_spec: DTensorSpec
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of a tensor-parallel parameter's sharded parameter (FSDP2's).
+
+    [Note: sharding a tensor-parallel parameter]
+    The sharded parameter lives on the data-parallel mesh's dims followed by the TP
+    mesh's. Its data-parallel placement is ``Shard(0)`` over the TP local tensor's
+    rows; where TP already splits dim 0 (``ColwiseParallel``), each rank's rows are a
+    slice of its TP rank's slice, so the global rows it holds are strided, FSDP2's
+    ``_StridedShard(0, split_factor=<TP shards on dim 0>)``. The state dict then holds
+    FSDP2's DTensors, and DCP moves checkpoints between the two both ways.
+    """
+    tp_shards_on_dim_0 = tp_spec.num_shards_map[0]
+    data_parallel = shard_placements(mesh)
+    if tp_shards_on_dim_0 > 1:
+        data_parallel = (*data_parallel[:-1], _StridedShard(0, split_factor=tp_shards_on_dim_0))
+    return DeviceMesh._concatenate([mesh, tp_spec.mesh]), (*data_parallel, *tp_spec.placements)
+
+
 class FSDPParam:
     """The sharded form of one original parameter.
 
@@ -161,22 +189,27 @@ class FSDPParam:
         self.usages = usages
         # Weak: only to recognize the parameter if another module still uses it.
         self.original_param = weakref.ref(param)
-        self.mesh = mesh
-        self.placements = shard_placements(mesh)
+        # A tensor-parallel parameter's layout on its TP mesh, which the unsharded parameter takes again.
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        if self.tp_spec is None:
+            self.sharded_mesh, self.placements = mesh, shard_placements(mesh)
+        else:
+            self.sharded_mesh, self.placements = tensor_parallel_layout(mesh, self.tp_spec)
+        data = param if self.tp_spec is None else param._local_tensor
         self.world_size = mesh.size(-1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.unsharded_shape = param.shape
-        self.padded_rows = padded_rows(param.size(0), self.world_size)
-        self.padded_numel = self.padded_rows * math.prod(param.shape[1:])
-        start = min(self.rank * self.padded_rows, param.size(0))
-        end = min(start + self.padded_rows, param.size(0))
+        self.unsharded_shape = data.shape
+        self.padded_rows = padded_rows(data.size(0), self.world_size)
+        self.padded_numel = self.padded_rows * math.prod(data.shape[1:])
+        start = min(self.rank * self.padded_rows, data.size(0))
+        end = min(start + self.padded_rows, data.size(0))
         self.shard_rows = end - start
-        self.padded_shard = param.new_zeros((self.padded_rows, *param.shape[1:]))
+        self.padded_shard = data.new_zeros((self.padded_rows, *data.shape[1:]))
         with torch.no_grad():
-            self.padded_shard[: self.shard_rows].copy_(param[start:end])
+            self.padded_shard[: self.shard_rows].copy_(data[start:end])
         local_tensor = self.padded_shard[: self.shard_rows]
         sharded = DTensor.from_local(
-            local_tensor, mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
+            local_tensor, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
@@ -206,7 +239,7 @@ class FSDPParam:
         param = self.sharded_param
         if param.grad is None:
             param.grad = DTensor.from_local(
-                grad, self.mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
+                grad, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
             )
         else:
             param.grad._local_tensor.add_(grad)
@@ -218,7 +251,12 @@ class FSDPParam:
         self.unsharded_param = None
 
     def show_unsharded(self, unsharded_param: torch.Tensor) -> None:
-        """The modules read ``unsharded_param`` until ``show_sharded``."""
+        """The modules read ``unsharded_param`` until ``show_sharded``: a DTensor with the TP placements for a tensor-parallel parameter."""
+        if self.tp_spec is not None:
+            spec = self.tp_spec
+            unsharded_param = DTensor.from_local(
+                unsharded_param, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+            )
         self.unsharded_param = unsharded_param
 
     def module_attribute(self) -> torch.Tensor:

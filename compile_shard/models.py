@@ -50,7 +50,6 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.n_heads = config.n_heads
         self.head_dim = config.dim // config.n_heads
         self.wq = nn.Linear(config.dim, config.dim, bias=False)
         self.wk = nn.Linear(config.dim, config.dim, bias=False)
@@ -58,11 +57,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = (proj(x).view(batch, seq, self.n_heads, self.head_dim) for proj in (self.wq, self.wk, self.wv))
+        # Heads are counted from the projections' width, so a tensor-parallel plan that
+        # shards wq, wk and wv by columns gives each rank its own heads.
+        q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)) for proj in (self.wq, self.wk, self.wv))
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.wo(out.transpose(1, 2).flatten(-2))
 
 
 class FeedForward(nn.Module):

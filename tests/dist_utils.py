@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
@@ -93,6 +94,29 @@ def build_sharded_llama(config: LlamaConfig, *, seed: int = 0, block_reshard=Non
         shard(block, reshard_after_forward=block_reshard)
     shard(model, reshard_after_forward=root_reshard)
     return model, reference
+
+
+def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, shard=fully_shard):
+    """A Llama whose blocks are tensor-parallel over ``mesh["tp"]`` (Megatron's column/row plan), sharded over ``mesh["dp"]``.
+
+    ``mesh``: a mesh with dims named "dp" and "tp", or a dict of those two meshes.
+
+    The embedding, shared with the output projection, and the norms stay plain.
+    """
+    torch.manual_seed(seed)
+    model = Llama(config)
+    plan = {
+        **{f"attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")},
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], plan)
+        shard(block, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    return model
 
 
 def global_batch(step: int, world_size: int, batch_per_rank: int, seq: int, vocab: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ versions); on another version these tests skip.
 """
 
 import difflib
+import functools
 from pathlib import Path
 
 import expecttest
@@ -23,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from compile_shard import fully_shard
 from compile_shard.debug import dump_graphs
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import FakeProcessGroup, ReusedBlockModel
+from dist_utils import FakeProcessGroup, ReusedBlockModel, build_tensor_parallel_llama
 from graph_utils import CapturingBackend, pass_settings
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
@@ -46,11 +47,19 @@ def _mlp(**kwargs):
     return model, torch.randn(4, 13)
 
 
+LLAMA_CONFIG = LlamaConfig(vocab_size=37, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, max_seq_len=8)
+
+
 def _llama(**kwargs):
-    config = LlamaConfig(vocab_size=37, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, max_seq_len=8)
-    model = Llama(config)
+    model = Llama(LLAMA_CONFIG)
     _shard([*model.layers, model], **kwargs)
-    return model, torch.randint(0, config.vocab_size, (2, 8))
+    return model, torch.randint(0, LLAMA_CONFIG.vocab_size, (2, 8))
+
+
+def _llama_tensor_parallel(mesh, **kwargs):
+    """The blocks tensor-parallel over ``mesh["tp"]``; every group sharded over ``mesh["dp"]``."""
+    model = build_tensor_parallel_llama(LLAMA_CONFIG, mesh, shard=functools.partial(fully_shard, **kwargs))
+    return model, torch.randint(0, LLAMA_CONFIG.vocab_size, (2, 8))
 
 
 def _reused_block(**kwargs):
@@ -71,7 +80,14 @@ BUCKET_CAP_MB = {"mlp3_uneven": 0.001, "llama2_tied": 0.012, "reused_block": 0.0
 
 
 def _staged_graphs(
-    build, world_size, reshard_after_forward, dump_dir, bucket_cap_mb=None, compile_regions=False, mesh_shape=None
+    build,
+    world_size,
+    reshard_after_forward,
+    dump_dir,
+    bucket_cap_mb=None,
+    compile_regions=False,
+    mesh_shape=None,
+    mesh_dim_names=None,
 ) -> str:
     """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
     capture = CapturingBackend()
@@ -86,7 +102,7 @@ def _staged_graphs(
         # One mesh object for the whole model: DTensor brings its DeviceMesh into the
         # graph as an opaque input, and separate-but-equal meshes would make the graph
         # depend on object identities left over from earlier tests.
-        mesh = init_device_mesh("cpu", mesh_shape or (world_size,))
+        mesh = init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
         model, example = build(mesh=mesh, reshard_after_forward=reshard_after_forward)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         compiled(example).float().sum().backward()
@@ -144,3 +160,11 @@ def test_golden_graphs_with_hsdp(mesh_shape, tmp_path):
     world_size = mesh_shape[0] * mesh_shape[1]
     name = f"mlp3_uneven_hsdp_{mesh_shape[0]}x{mesh_shape[1]}_reshard"
     _assert_golden(name, _staged_graphs(_mlp, world_size, True, tmp_path, mesh_shape=mesh_shape))
+
+
+def test_golden_graphs_with_tensor_parallel_blocks(tmp_path):
+    """TP + FSDP on a (4, 2) mesh: the blocks' row-parallel all-reduces beside each group's all-gather and reduce-scatter."""
+    graphs = _staged_graphs(
+        _llama_tensor_parallel, 8, True, tmp_path, mesh_shape=(4, 2), mesh_dim_names=("dp", "tp")
+    )
+    _assert_golden("llama2_tied_tp_4x2_reshard", graphs)

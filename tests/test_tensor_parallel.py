@@ -1,0 +1,151 @@
+"""Tensor parallelism + FSDP: blocks parallelized over ``mesh["tp"]``, sharded over ``mesh["dp"]``.
+
+Against torch FSDP2 on the same 2-D mesh, plan and wrapping: placements (FSDP2's
+``_StridedShard`` where TP already shards dim 0, [Note: sharding a tensor-parallel
+parameter] in compile_shard._param), collectives, gradients and parameters.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from compile_shard import fully_shard
+from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.models import LlamaConfig
+from dist_utils import FakeProcessGroup, build_tensor_parallel_llama, global_batch, lm_loss, run_gloo
+from graph_utils import CapturingBackend, op_counts
+
+CONFIG = LlamaConfig()
+STEPS = 3
+
+
+def _mesh(shape):
+    """The (dp, tp) mesh; for a 3-D shape, HSDP's (replicate, shard) dims as "dp" beside "tp"."""
+    if len(shape) == 2:
+        return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    world = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+    return {"dp": world["replicate", "shard"], "tp": world["tp"]}
+
+
+def _counted_step(runnable, tokens):
+    with CollectiveCounter() as counter:
+        lm_loss(runnable, tokens).backward()
+    return dict(counter.counts), dict(counter.bytes)
+
+
+def _parity_worker(rank, world_size, shape, backends):
+    """Each backend's compile_shard model against torch FSDP2: placements, gradients and parameters bitwise."""
+    mesh = _mesh(shape)
+    theirs = build_tensor_parallel_llama(CONFIG, mesh, shard=torch_fully_shard)
+    models = [build_tensor_parallel_llama(CONFIG, mesh) for _ in backends]
+    runs = [m if backend is None else torch.compile(m, backend=backend) for m, backend in zip(models, backends)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
+    clear_compilation_metrics()
+    counters.clear()
+    data_parallel_rank = rank // shape[-1]  # the TP ranks of one data-parallel rank read the same rows
+    for step in range(STEPS):
+        tokens = global_batch(step, world_size // shape[-1], 2, 8, CONFIG.vocab_size)
+        tokens = tokens[2 * data_parallel_rank : 2 * data_parallel_rank + 2]
+        torch_collectives = _counted_step(theirs, tokens)
+        for model, run, backend in zip(models, runs, backends):
+            collectives = _counted_step(run, tokens)
+            if backend is None:
+                assert collectives == torch_collectives, (collectives, torch_collectives)
+            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
+                assert param.placements == other.placements and param.device_mesh == other.device_mesh, name
+                assert param.grad.placements == other.grad.placements, name
+                torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for model in models:
+        for param, other in zip(model.parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+    if shape == (2, 2):
+        wq = models[0].layers[0].attention.wq.weight
+        assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    if any(backends):
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+
+
+# (1, 2): tensor parallelism alone, FSDP over groups of one rank; (2, 1): FSDP alone on
+# DTensor parameters of a TP mesh of one; (2, 2): both, on 4 processes; (2, 1, 2): HSDP
+# (two replicas of a shard group of one) beside TP, on 4 processes.
+@pytest.mark.parametrize(
+    "shape, backends",
+    [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None, "aot_eager")), ((2, 1, 2), (None,))],
+    ids=["1x2", "2x1", "2x2", "hsdp_2x1x2"],
+)
+def test_tensor_parallel_fsdp_matches_torch_fsdp2(shape, backends):
+    run_gloo(_parity_worker, math.prod(shape), shape, backends)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 4)], ids=["2x4", "4x4"])
+def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
+    """A fake process group: one graph each way holding FSDP's and TP's collectives, no recompile in 20 steps."""
+    capture = CapturingBackend()
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    counters.clear()
+    with FakeProcessGroup(shape[0] * shape[1]):
+        model = build_tensor_parallel_llama(CONFIG, _mesh(shape))
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        for step in range(20):
+            lm_loss(compiled, global_batch(step, 1, 2, 8, CONFIG.vocab_size)).backward()
+        assert recompiles() == 0 and not counters["graph_break"]
+    torch._dynamo.reset()
+    (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
+    groups = CONFIG.n_layers + 1
+    forward_counts, backward_counts = op_counts(forward.graph), op_counts(backward.graph)
+    assert forward_counts["all_gather"] == groups
+    assert forward_counts["all_reduce"] == 2 * CONFIG.n_layers  # the row-parallel outputs: wo and w2
+    assert backward_counts["all_gather"] == CONFIG.n_layers  # the resharded blocks again
+    assert backward_counts["reduce_scatter"] == groups
+    assert backward_counts["all_reduce"] == 5 * CONFIG.n_layers  # the inputs of the five column-parallel linears
+
+
+def _exchange_worker(rank, world_size, folder):
+    """compile_shard at (1, 2) saves, torch FSDP2 at (2, 1) loads, and back: every parameter exact."""
+    ours = build_tensor_parallel_llama(CONFIG, _mesh((1, 2)), seed=0)
+    theirs = build_tensor_parallel_llama(CONFIG, _mesh((2, 1)), seed=1, shard=torch_fully_shard)
+    with torch.no_grad():  # the second direction saves values neither model started from
+        doubled = build_tensor_parallel_llama(CONFIG, _mesh((2, 1)), seed=2, shard=torch_fully_shard)
+        for param in doubled.parameters():
+            param.mul_(2)
+    for saver, loader, name in ((ours, theirs, "ours_1x2"), (doubled, ours, "theirs_2x1")):
+        path = os.path.join(folder, name)
+        dcp.save(get_model_state_dict(saver), checkpoint_id=path)
+        state_dict = get_model_state_dict(loader)
+        dcp.load(state_dict, checkpoint_id=path)
+        set_model_state_dict(loader, state_dict)
+        expected = {param_name: param.full_tensor() for param_name, param in saver.named_parameters()}
+        for param_name, param in loader.named_parameters():
+            torch.testing.assert_close(param.full_tensor(), expected[param_name], rtol=0, atol=0, msg=param_name)
+
+
+def test_dcp_exchange_with_torch_fsdp2_on_another_mesh(tmp_path):
+    pytest.importorskip("numpy", reason="torch 2.13's DCP plans through object collectives, which need numpy")
+    run_gloo(_exchange_worker, 2, str(tmp_path))
+
+
+def test_unsupported_tensor_parallel_placements_name_the_parameter_and_the_fix():
+    with FakeProcessGroup(4):
+        mesh = _mesh((2, 2))
+        partial = torch.nn.Linear(4, 4)
+        partial.weight = torch.nn.Parameter(DTensor.from_local(partial.weight.detach(), mesh["tp"], [Partial()]))
+        with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): parameter 'weight' .*Partial"):
+            fully_shard(partial, mesh=mesh["dp"])
+        other_root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        elsewhere = torch.nn.Linear(4, 4)
+        elsewhere.weight = torch.nn.Parameter(distribute_tensor(elsewhere.weight.detach(), other_root["tp"], [Replicate()]))
+        with pytest.raises(ValueError, match=r"parameter 'weight' is a DTensor on the mesh \('tp',\).*Slice both"):
+            fully_shard(elsewhere, mesh=mesh["dp"])
