@@ -659,7 +659,7 @@ def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str,
             )
 
 
-def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any, dp_mesh_dims: Any) -> None:
+def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any) -> None:
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"fully_shard({label}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -677,11 +677,45 @@ def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any
             f"fully_shard({label}): {type(offload_policy).__name__} (CPU offload) is not supported yet; "
             "pass OffloadPolicy() or leave offload_policy out"
         )
-    if dp_mesh_dims is not None:
+
+
+def _data_parallel_dims(label: str, mesh: DeviceMesh, dp_mesh_dims: Any) -> tuple[int, ...]:
+    """FSDP2's ``dp_mesh_dims`` (``DataParallelMeshDims``) as ``mesh`` dims: (replicate,) shard, the shard dim last."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None:
+        raise ValueError(f"fully_shard({label}): mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    shard, replicate = dp_mesh_dims.shard, dp_mesh_dims.replicate
+    for role, value in (("shard", shard), ("replicate", replicate)):
+        if value is not None and not isinstance(value, str):
+            raise NotImplementedError(
+                f"fully_shard({label}): dp_mesh_dims.{role}={value!r} names several mesh dims to flatten; "
+                "compile_shard takes one name each. Flatten them into one named dim of the mesh first"
+            )
+        if value is not None and value not in names:
+            raise ValueError(f"fully_shard({label}): mesh dim name {value!r} not found in mesh.mesh_dim_names {names}")
+    if shard is None:
         raise NotImplementedError(
-            f"fully_shard({label}): dp_mesh_dims (a data-parallel part of a larger mesh) is not supported yet; "
-            "pass the 1-D data-parallel mesh"
+            f"fully_shard({label}): dp_mesh_dims without a shard dim (plain replication) is not supported; name a "
+            "shard dim, of size 1 for NO_SHARD"
         )
+    return tuple(names.index(name) for name in (replicate, shard) if name is not None)
+
+
+def _check_spmd_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter], dims: tuple[int, ...]) -> None:
+    """With ``dp_mesh_dims``, every parameter is a DTensor on ``mesh`` itself, replicated on the data-parallel dims (FSDP2)."""
+    for fqn, param in named.items():
+        if not isinstance(param, DTensor) or param.device_mesh is not mesh:
+            raise ValueError(
+                f"fully_shard({label}): with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
+                f"fully_shard (e.g. via distribute_tensor or distribute_module), but {fqn!r} is "
+                f"{'on another mesh' if isinstance(param, DTensor) else 'a plain tensor'}"
+            )
+        for dim in dims:
+            if not isinstance(param.placements[dim], Replicate):
+                raise ValueError(
+                    f"fully_shard({label}): parameter {fqn!r} has {param.placements[dim]!r} on the data-parallel dim "
+                    f"{mesh.mesh_dim_names[dim]!r}; with dp_mesh_dims it must be Replicate() there"
+                )
 
 
 def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_size: int) -> bool | None:
@@ -755,16 +789,28 @@ def fully_shard(
     to reshard to: the world size and 1 are supported). A list of modules forms one
     group, unsharded until each of them has run its forward. Parameters that are
     DTensors on a tensor-parallel mesh (after ``parallelize_module``) are sharded over
-    ``mesh`` beside it, as in FSDP2. ``ignored_params`` stay
+    ``mesh`` beside it, as in FSDP2; with ``dp_mesh_dims`` (torch's
+    ``DataParallelMeshDims``) ``mesh`` is the full SPMD mesh the parameters live on
+    and the named dims are the data-parallel ones. ``ignored_params`` stay
     plain, unsharded parameters whose gradients are not reduced. The other arguments
     take FSDP2's values where they mean what compile_shard already does (for example
     the default ``MixedPrecisionPolicy()``) and raise ``NotImplementedError`` otherwise.
     """
     modules = _as_module_list(module)
     label = "+".join(_label(m) for m in modules)
-    _check_unsupported_arguments(label, mp_policy, offload_policy, dp_mesh_dims)
+    _check_unsupported_arguments(label, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else _default_mesh()
-    _check_mesh(label, mesh, _tensor_parallel_dims(modules))
+    spmd_mesh, spmd_shard_dims = None, None
+    if dp_mesh_dims is None:
+        _check_mesh(label, mesh, _tensor_parallel_dims(modules))
+    else:
+        spmd_mesh, spmd_shard_dims = mesh, _data_parallel_dims(label, mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"fully_shard({label}): reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+            )
+        dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_shard_dims]
+        mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
     reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size())
     ignored = {id(param) for param in ignored_params or ()}
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
@@ -777,7 +823,10 @@ def fully_shard(
             if param not in usages:
                 named[fqn_of[id(param)]] = param
             usages.setdefault(param, []).extend(param_usages)
-    _check_tensor_parallel_params(label, mesh, named)
+    if spmd_mesh is None:
+        _check_tensor_parallel_params(label, mesh, named)
+    else:
+        _check_spmd_params(label, spmd_mesh, named, spmd_shard_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_trainable_dtypes(label, named)
     for fqn, param in named.items():
@@ -790,7 +839,8 @@ def fully_shard(
     group = None
     if usages:
         fsdp_params = [
-            FSDPParam(param, fqn, usage, mesh) for (fqn, param), usage in zip(named.items(), usages.values())
+            FSDPParam(param, fqn, usage, mesh, spmd_shard_dims)
+            for (fqn, param), usage in zip(named.items(), usages.values())
         ]
         group = FSDPParamGroup(
             fsdp_params,

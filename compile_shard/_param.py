@@ -66,12 +66,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import ops
 from ._layout import padded_rows
+from ._tensor_parallel import shard_placements, spmd_layout, tensor_parallel_layout, unsharded_dtensor
 
 
 @dataclass(frozen=True)
@@ -119,31 +119,6 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
     module.__class__ = _ATTRIBUTE_CLASSES[key]
 
 
-def shard_placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """FSDP2's placements: ``Shard(0)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on HSDP's (replicate, shard) mesh."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-
-
-def tensor_parallel_layout(
-    mesh: DeviceMesh, tp_spec: DTensorSpec
-) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh and placements of a tensor-parallel parameter's sharded parameter (FSDP2's).
-
-    [Note: sharding a tensor-parallel parameter]
-    The sharded parameter lives on the data-parallel mesh's dims followed by the TP
-    mesh's. Its data-parallel placement is ``Shard(0)`` over the TP local tensor's
-    rows; where TP already splits dim 0 (``ColwiseParallel``), each rank's rows are a
-    slice of its TP rank's slice, so the global rows it holds are strided, FSDP2's
-    ``_StridedShard(0, split_factor=<TP shards on dim 0>)``. The state dict then holds
-    FSDP2's DTensors, and DCP moves checkpoints between the two both ways.
-    """
-    tp_shards_on_dim_0 = tp_spec.num_shards_map[0]
-    data_parallel = shard_placements(mesh)
-    if tp_shards_on_dim_0 > 1:
-        data_parallel = (*data_parallel[:-1], _StridedShard(0, split_factor=tp_shards_on_dim_0))
-    return DeviceMesh._concatenate([mesh, tp_spec.mesh]), (*data_parallel, *tp_spec.placements)
-
-
 class FSDPParam:
     """The sharded form of one original parameter.
 
@@ -179,7 +154,16 @@ class FSDPParam:
     as with FSDP2.
     """
 
-    def __init__(self, param: nn.Parameter, fqn: str, usages: list[ParamUsage], mesh: DeviceMesh):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        fqn: str,
+        usages: list[ParamUsage],
+        mesh: DeviceMesh,
+        spmd_shard_dims: tuple[int, ...] | None = None,
+    ):
+        """``mesh``: the data-parallel mesh. ``spmd_shard_dims``: for ``dp_mesh_dims``, the data-parallel dims of the
+        parameter's own (SPMD) mesh, shard dim last."""
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -189,12 +173,16 @@ class FSDPParam:
         self.usages = usages
         # Weak: only to recognize the parameter if another module still uses it.
         self.original_param = weakref.ref(param)
-        # A tensor-parallel parameter's layout on its TP mesh, which the unsharded parameter takes again.
+        # A DTensor parameter's own layout, which the unsharded parameter takes again
+        # ([Note: sharding a tensor-parallel parameter]).
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.spmd_data_parallel_dims = spmd_shard_dims or ()
         if self.tp_spec is None:
             self.sharded_mesh, self.placements = mesh, shard_placements(mesh)
-        else:
+        elif spmd_shard_dims is None:
             self.sharded_mesh, self.placements = tensor_parallel_layout(mesh, self.tp_spec)
+        else:
+            self.sharded_mesh, self.placements = spmd_layout(self.tp_spec, spmd_shard_dims[-1])
         data = param if self.tp_spec is None else param._local_tensor
         self.world_size = mesh.size(-1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
@@ -253,10 +241,7 @@ class FSDPParam:
     def show_unsharded(self, unsharded_param: torch.Tensor) -> None:
         """The modules read ``unsharded_param`` until ``show_sharded``: a DTensor with the TP placements for a tensor-parallel parameter."""
         if self.tp_spec is not None:
-            spec = self.tp_spec
-            unsharded_param = DTensor.from_local(
-                unsharded_param, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
-            )
+            unsharded_param = unsharded_dtensor(unsharded_param, self.tp_spec, self.spmd_data_parallel_dims)
         self.unsharded_param = unsharded_param
 
     def module_attribute(self) -> torch.Tensor:

@@ -390,9 +390,8 @@ def test_arguments_that_mean_what_compile_shard_does_are_accepted(fake_pg):
     [
         (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
         (dict(shard_placement_fn=lambda param: Shard(1)), "shards every parameter on dim 0"),
-        (dict(dp_mesh_dims=object()), "dp_mesh_dims"),
     ],
-    ids=["cpu_offload", "shard_1", "dp_mesh_dims"],
+    ids=["cpu_offload", "shard_1"],
 )
 def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     with pytest.raises(NotImplementedError, match=message):

@@ -149,3 +149,106 @@ def test_unsupported_tensor_parallel_placements_name_the_parameter_and_the_fix()
         elsewhere.weight = torch.nn.Parameter(distribute_tensor(elsewhere.weight.detach(), other_root["tp"], [Replicate()]))
         with pytest.raises(ValueError, match=r"parameter 'weight' is a DTensor on the mesh \('tp',\).*Slice both"):
             fully_shard(elsewhere, mesh=mesh["dp"])
+
+
+class _SPMDBlock(torch.nn.Module):
+    """Two linears, column- then row-parallel, written for DTensor activations on the full mesh."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(dim, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class _SPMDModel(torch.nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 12):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SPMDBlock(dim, hidden) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def _spmd_model(mesh, shard, dp_mesh_dims):
+    """Every parameter a DTensor on the full mesh: replicated on the data-parallel dims, Megatron's plan on "tp"."""
+    torch.manual_seed(0)
+    model = _SPMDModel()
+    data_parallel = [Replicate()] * (mesh.ndim - 1)
+    for block in model.blocks:
+        for linear, placement in ((block.w1, Shard(0)), (block.w2, Shard(1))):
+            linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [*data_parallel, placement]))
+    for name in ("weight", "bias"):
+        value = getattr(model.norm, name).detach()
+        setattr(model.norm, name, torch.nn.Parameter(distribute_tensor(value, mesh, [*data_parallel, Replicate()])))
+    for module in (*model.blocks, model):
+        shard(module, mesh=mesh, dp_mesh_dims=dp_mesh_dims)
+    return model
+
+
+def _spmd_worker(rank, world_size, shape, backends):
+    """dp_mesh_dims on a full SPMD mesh: torch FSDP2's placements, gradients and parameters bitwise."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    names = ("dp", "tp") if len(shape) == 2 else ("replicate", "dp", "tp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_mesh_dims = DataParallelMeshDims(shard="dp", replicate=None if len(shape) == 2 else "replicate")
+    theirs = _spmd_model(mesh, torch_fully_shard, dp_mesh_dims)
+    models = [_spmd_model(mesh, fully_shard, dp_mesh_dims) for _ in backends]
+    runs = [m if backend is None else torch.compile(m, backend=backend) for m, backend in zip(models, backends)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
+    clear_compilation_metrics()
+    counters.clear()
+    data_parallel_rank = rank // shape[-1]
+    batch_placements = [Shard(0) if name != "tp" else Replicate() for name in names]
+    for step in range(STEPS):
+        inputs = torch.randn(4 * (world_size // shape[-1]), 8, generator=torch.Generator().manual_seed(step))
+        local = inputs[4 * data_parallel_rank : 4 * data_parallel_rank + 4]
+        for run in (theirs, *runs):
+            (run(DTensor.from_local(local, mesh, batch_placements)) ** 2).sum().backward()
+        for model in models:
+            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
+                assert param.placements == other.placements and param.device_mesh is other.device_mesh, name
+                torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for model in models:
+        for param, other in zip(model.parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+    assert models[0].blocks[0].w1.weight.placements[-2:] == (_StridedShard(0, split_factor=2), Shard(0))
+    if any(backends):
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason="dp_mesh_dims is new in torch 2.12"
+)
+@pytest.mark.parametrize(
+    "shape, backends", [((2, 2), (None, "aot_eager")), ((2, 1, 2), (None,))], ids=["fsdp_2x2", "hsdp_2x1x2"]
+)
+def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch_fsdp2(shape, backends):
+    run_gloo(_spmd_worker, math.prod(shape), shape, backends)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason="dp_mesh_dims is new in torch 2.12"
+)
+def test_dp_mesh_dims_errors_name_the_parameter_and_the_fix():
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    with FakeProcessGroup(4):
+        mesh = _mesh((2, 2))
+        with pytest.raises(ValueError, match=r"fully_shard\(Linear\): with dp_mesh_dims every parameter .*'weight' is a plain"):
+            fully_shard(torch.nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        sharded_on_dp = torch.nn.Linear(4, 4, bias=False)
+        sharded_on_dp.weight = torch.nn.Parameter(distribute_tensor(sharded_on_dp.weight.detach(), mesh, [Shard(0), Replicate()]))
+        with pytest.raises(ValueError, match=r"parameter 'weight' has Shard\(dim=0\) on the data-parallel dim 'dp'"):
+            fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        with pytest.raises(NotImplementedError, match=r"dp_mesh_dims.shard=\('dp', 'tp'\) names several mesh dims"):
+            fully_shard(torch.nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp")))
