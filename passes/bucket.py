@@ -15,7 +15,8 @@ The merged all-gather takes the concatenated shard lists, so its buffer is
 groups' own splits did: their ``getitem`` readers are pointed at the merged split
 and no extra copy appears. The matching reduce-scatters in backward are merged by
 concatenating the groups' gradients per rank (``cat`` on dim 1 of the
-``[world_size, numel]`` views) and splitting the reduced shard back. The merged
+``[world_size, numel]`` views) and splitting the reduced shard back (on HSDP after
+one all-reduce of the bucket, [Note: bucketed HSDP all-reduce]). The merged
 nodes carry one annotation whose ``group`` is ``"A+B"`` and whose ``members``
 names the groups, so the later passes and the graph dumps treat a bucket as one group.
 """
@@ -31,8 +32,8 @@ import torch.fx as fx
 
 from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 
-from ._graph import NodeInserter, fake_value, fsdp, op_argument, reorder_by_priority
-from .patterns import chain_readers, copy_out_chain, match_copy_out
+from ._graph import NodeInserter, c10d, fake_value, fsdp, op_argument, reorder_by_priority
+from .patterns import chain_readers, copy_out_chain, match_copy_out, only_user
 from .settings import settings
 
 aten = torch.ops.aten
@@ -152,6 +153,29 @@ def _reduce_scatter_args(node: fx.Node) -> tuple:
     return (*node.args[:3], op_argument(node, "reduce_op"))
 
 
+def _replicate_all_reduces(reductions: list[fx.Node]) -> list[fx.Node] | None:
+    """HSDP: each reduction's all-reduce over the replicate group, if that is all that reads it, alike for all.
+
+    [Note: bucketed HSDP all-reduce]
+    Each group's reduce-scattered gradient is all-reduced over the replicate group and
+    then split into its shards. The bucket reduces its groups' gradients in one
+    reduce-scatter, so it all-reduces the merged result once too, before splitting it
+    per group: elementwise, so every element is reduced as before. A reduction that
+    adds an earlier partial reduction first (``set_requires_all_reduce``) is not read
+    by its all-reduce alone, and keeps one all-reduce per group.
+    """
+    all_reduces = []
+    for node in reductions:
+        all_reduce = only_user(node)
+        if all_reduce is None or all_reduce.target is not c10d.all_reduce.default:
+            return None
+        wait = only_user(all_reduce)
+        if wait is None or wait.target is not c10d.wait_tensor.default:
+            return None
+        all_reduces.append(all_reduce)
+    return all_reduces if len({tuple(node.args[1:]) for node in all_reduces}) == 1 else None
+
+
 def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: GroupAnnotation) -> None:
     position = {node: index for index, node in enumerate(graph.nodes)}
     last = max(reductions, key=position.__getitem__)
@@ -161,13 +185,22 @@ def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: Gr
     concatenated = insert(aten.cat.default, per_rank, 1)
     flat = insert(aten.view.default, concatenated, [-1])
     merged = insert(fsdp.reduce_scatter_grad.default, flat, world_size, group_name, reduce_op)
-    split = insert(aten.split_with_sizes.default, merged, [node.meta["val"].numel() for node in reductions])
-    new_nodes = [*per_rank, concatenated, flat, merged, split]
-    for index, node in enumerate(reductions):
+    new_nodes = [*per_rank, concatenated, flat, merged]
+    replaced, erased = reductions, list(reductions)
+    all_reduces = _replicate_all_reduces(reductions)
+    if all_reduces is not None:  # [Note: bucketed HSDP all-reduce]
+        all_reduce = insert(c10d.all_reduce.default, merged, *all_reduces[0].args[1:])
+        merged = insert(c10d.wait_tensor.default, all_reduce)
+        new_nodes += [all_reduce, merged]
+        replaced = [only_user(node) for node in all_reduces]
+        erased = [*replaced, *all_reduces, *reductions]
+    split = insert(aten.split_with_sizes.default, merged, [node.meta["val"].numel() for node in replaced])
+    new_nodes.append(split)
+    for index, node in enumerate(replaced):
         replacement = insert(operator.getitem, split, index)
         new_nodes.append(replacement)
         node.replace_all_uses_with(replacement)
-    for node in reductions:  # erased only now: ``last`` anchors the insertions above
+    for node in erased:  # erased only now, users first: ``last`` anchors the insertions above
         graph.erase_node(node)
     _annotate(new_nodes, annotation)
 

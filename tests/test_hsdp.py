@@ -18,7 +18,7 @@ from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
-from graph_utils import CapturingBackend, op_counts
+from graph_utils import CapturingBackend, op_counts, pass_settings
 
 CONFIG = LlamaConfig()
 STEPS = 3
@@ -136,3 +136,18 @@ def _accumulate_without_all_reduce_worker(rank, world_size, backend):
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
 def test_accumulating_without_the_all_reduce_matches_torch_fsdp2(backend):
     run_gloo(_accumulate_without_all_reduce_worker, 2, backend)
+
+
+def test_bucketed_hsdp_all_reduces_each_bucket_once():
+    """[Note: bucketed HSDP all-reduce]: as many all-reduces as reduce-scatters once groups share buckets."""
+    capture = CapturingBackend()
+    torch._dynamo.reset()
+    with FakeProcessGroup(8), pass_settings(bucket_cap_mb=100.0):
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        model, _ = build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))
+        tokens = global_batch(0, 1, 2, 8, CONFIG.vocab_size)
+        lm_loss(torch.compile(model, backend=capture.backend, fullgraph=True), tokens).backward()
+    torch._dynamo.reset()
+    (backward,) = capture.backward_graphs
+    counts = op_counts(backward.graph)
+    assert counts["reduce_scatter"] == counts["all_reduce"] < CONFIG.n_layers + 1, counts

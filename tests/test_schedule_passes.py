@@ -175,6 +175,22 @@ def _gather_and_reduce(s0, s1, g0, g1, x):
     return outputs, grads
 
 
+def _all_reduced(grads):
+    return [c10d.wait_tensor(c10d.all_reduce(grad, "avg", GROUP)) for grad in grads]
+
+
+def _gather_reduce_and_all_reduce(s0, s1, g0, g1, x):
+    """The same on HSDP: each reduce-scattered gradient is then all-reduced."""
+    outputs, grads = _gather_and_reduce(s0, s1, g0, g1, x)
+    return outputs, _all_reduced(grads)
+
+
+def _gather_reduce_add_partial_and_all_reduce(s0, s1, g0, g1, x, partial):
+    """HSDP where the first reduction adds an earlier partial reduction before its all-reduce (``set_requires_all_reduce``)."""
+    outputs, grads = _gather_and_reduce(s0, s1, g0, g1, x)
+    return outputs, _all_reduced([grads[0] + partial, grads[1]])
+
+
 def _annotate_reductions(graph, groups):
     for node, group in zip(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default), groups):
         write_group_annotation(node, make_annotation(group))
@@ -201,21 +217,61 @@ def test_bucket_leaves_groups_whose_gradients_it_cannot_merge():
     assert bucket(graph_module.graph, cap_mb=1.0) == 0
 
 
-def _bucketed_graph_computes_the_same(rank, world_size):
+def _annotate_all_reduces(graph):
+    """Each all-reduce and its wait, as the group of the reduce-scatter it reduces further."""
+    for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        source = node.args[0] if node.args[0].target is not aten.add.Tensor else node.args[0].args[0]
+        for annotated in (node, *node.users):
+            write_group_annotation(annotated, group_annotation(source))
+
+
+def _hsdp_reductions(fn=_gather_reduce_and_all_reduce, *extra_inputs):
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
+    graph = trace(fn, *inputs, *extra_inputs).graph
+    _annotate(graph, ["a", "b"])
+    _annotate_reductions(graph, ["b", "a"])
+    _annotate_all_reduces(graph)
+    return graph
+
+
+def test_bucket_merges_hsdp_all_reduces_with_their_reduce_scatters():
+    """[Note: bucketed HSDP all-reduce]: one reduce-scatter, then one all-reduce of the bucket, then the split."""
+    graph = _hsdp_reductions()
+    assert bucket(graph, cap_mb=1.0) == 2
+    graph.lint()
+    (reduction,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
+    (all_reduce,) = graph.find_nodes(op="call_function", target=c10d.all_reduce.default)
+    assert all_reduce.args[0] is reduction and group_annotation(all_reduce).name == "a+b"
+    (wait,) = all_reduce.users
+    assert [user.target for user in wait.users] == [aten.split_with_sizes.default]
+
+
+def test_bucket_keeps_hsdp_all_reduces_apart_when_one_adds_a_partial_reduction_first():
+    graph = _hsdp_reductions(_gather_reduce_add_partial_and_all_reduce, torch.randn(NUMELS[0]))
+    assert bucket(graph, cap_mb=1.0) == 2  # the gathers and the reduce-scatters still merge
+    graph.lint()
+    assert len(graph.find_nodes(op="call_function", target=c10d.all_reduce.default)) == 2
+
+
+def _bucketed_graph_computes_the_same(rank, world_size, all_reduce):
     inputs = [torch.full((3, 4), float(rank + 1)), torch.full((3, 4), 10.0 * (rank + 1))]
-    gradient = torch.arange(24.0).view(6, 4)
+    gradient = torch.arange(24.0).view(6, 4) * (rank + 1)
     inputs += [gradient, -gradient, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
-    expected = _gather_and_reduce(*inputs)
-    graph_module = trace(_gather_and_reduce, *inputs)
+    fn = _gather_reduce_and_all_reduce if all_reduce else _gather_and_reduce
+    expected = fn(*inputs)
+    graph_module = trace(fn, *inputs)
     _annotate(graph_module.graph, ["a", "b"])
     _annotate_reductions(graph_module.graph, ["b", "a"])
+    _annotate_all_reduces(graph_module.graph)
     assert bucket(graph_module.graph, cap_mb=1.0) == 2
+    assert len(graph_module.graph.find_nodes(op="call_function", target=c10d.all_reduce.default)) == all_reduce
     graph_module.recompile()
     torch.testing.assert_close(graph_module(*inputs), expected, rtol=0, atol=0)
 
 
-def test_bucketed_graph_computes_what_separate_collectives_compute():
-    run_gloo(_bucketed_graph_computes_the_same, WORLD)
+@pytest.mark.parametrize("all_reduce", [False, True], ids=["fsdp", "hsdp"])
+def test_bucketed_graph_computes_what_separate_collectives_compute(all_reduce):
+    run_gloo(_bucketed_graph_computes_the_same, WORLD, all_reduce)
 
 
 # reorder (schedule) ---------------------------------------------------------------
