@@ -50,12 +50,18 @@ class GroupAnnotation:
     # FSDP2's explicit prefetch lists (``set_modules_to_forward_prefetch`` and backward).
     forward_prefetch: tuple[str, ...] = ()
     backward_prefetch: tuple[str, ...] = ()
+    # FSDP2's reshard_after_forward=<int>: (size, rank among them, process group name) of
+    # the smaller group backward gathers over ([Note: resharding to a smaller group]).
+    reshard_group: tuple[int, int, str] | None = None
 
 
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:
     """The annotation of the group ``node`` belongs to, if any."""
     stored = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
-    return None if stored is None else GroupAnnotation(**stored)
+    if stored is None:
+        return None
+    reshard_group = stored.get("reshard_group")
+    return GroupAnnotation(**{**stored, "reshard_group": None if reshard_group is None else tuple(reshard_group)})
 
 
 def write_group_annotation(node: fx.Node, annotation: GroupAnnotation) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardH
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._group import FSDPParamGroup
+from ._group import FSDPParamGroup, ReshardGroup
 from ._param import FSDPParam, ParamUsage
 from ._region import (
     REGIONS_SUPPORTED,
@@ -330,6 +330,7 @@ class FSDPModule(TorchFSDPModule):
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
                 state.group.reshard_after_forward = state.resolved_reshard_after_forward()
+                state.group.reshard_group = None  # FSDP2: a bool reshards over the whole shard group
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Only ``True`` (the default): the unsharded parameters are always freed after backward."""
@@ -718,12 +719,13 @@ def _check_spmd_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Paramet
                 )
 
 
-def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_size: int) -> bool | None:
+def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_size: int) -> bool | int | None:
     """FSDP2's ``reshard_after_forward``: a bool, None, or an int that is the size of a group to reshard to.
 
-    FSDP2 reads the int 1 as False (with a warning) and the world size as True; another
-    factor of the world size reshards to a smaller group, which compile_shard does not do
-    yet; anything else is FSDP2's ``ValueError``.
+    FSDP2 reads the int 1 as False (with a warning) and the shard group's size as True;
+    another factor of that size is the size of the smaller group to reshard to
+    ([Note: resharding to a smaller group] in ``_group``); anything else is FSDP2's
+    ``ValueError``.
     """
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward
@@ -746,11 +748,13 @@ def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world
         return False
     if reshard_after_forward == world_size:
         return True
-    raise NotImplementedError(
-        f"fully_shard({label}): reshard_after_forward={reshard_after_forward} (keeping the parameters sharded "
-        f"over groups of {reshard_after_forward} ranks between forward and backward) is not supported yet; pass "
-        "True to reshard over the whole mesh or False to keep them unsharded"
-    )
+    return reshard_after_forward
+
+
+def _reshard_group(mesh: DeviceMesh, size: int) -> ReshardGroup:
+    """FSDP2's post-forward mesh: the data-parallel ranks in rows of ``size``; a rank reshards over its row."""
+    rows = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size), mesh_dim_names=("reshard_rows", "reshard"))
+    return ReshardGroup(size, rows.get_local_rank(1), rows.get_group(1).group_name)
 
 
 def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
@@ -811,7 +815,10 @@ def fully_shard(
             )
         dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_shard_dims]
         mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
-    reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size())
+    reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
+    reshard_group = None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        reshard_group, reshard_after_forward = _reshard_group(mesh, reshard_after_forward), True
     ignored = {id(param) for param in ignored_params or ()}
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
     named: dict[str, nn.Parameter] = {}
@@ -825,6 +832,11 @@ def fully_shard(
             usages.setdefault(param, []).extend(param_usages)
     if spmd_mesh is None:
         _check_tensor_parallel_params(label, mesh, named)
+        if reshard_group is not None and any(isinstance(param, DTensor) for param in named.values()):
+            raise NotImplementedError(
+                f"fully_shard({label}): resharding to a smaller group (reshard_after_forward={reshard_group.size}) is "
+                "not supported for DTensor (tensor-parallel) parameters, as in torch FSDP2; pass True or False"
+            )
     else:
         _check_spmd_params(label, spmd_mesh, named, spmd_shard_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
@@ -849,6 +861,7 @@ def fully_shard(
             reshard_after_forward=reshard_after_forward is not False,
             forwards_per_iteration=len(modules),
             mp_policy=mp_policy,
+            reshard_group=reshard_group,
         )
     install()  # the pass suite, for torch.compile of this model
     state = FSDPState(modules, mesh, group, reshard_after_forward, mp_policy)

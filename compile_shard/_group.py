@@ -84,6 +84,30 @@ class AllGatherPart:
     param_dtype: torch.dtype | None
 
 
+@dataclass(frozen=True)
+class ReshardGroup:
+    """FSDP2's ``reshard_after_forward=<int>``: the smaller group a group's parameters stay sharded over after forward.
+
+    [Note: resharding to a smaller group]
+    Between forward and backward each rank keeps ``1 / size`` of every all-gather
+    output (FSDP2's post-forward shard): the all-gather output is rank-major over the
+    group's ``world_size`` ranks, so chunk ``rank`` of ``size`` equal chunks holds the
+    shards of ``world_size / size`` consecutive ranks. Backward all-gathers these
+    chunks over ``size`` ranks (``group_name``: ranks that are consecutive within the
+    shard group, FSDP2's post-forward mesh), which rebuilds the whole output in the
+    same layout: fewer bytes held than the unsharded parameters, a smaller group to
+    gather over than the shard group.
+    """
+
+    size: int
+    rank: int
+    group_name: str
+
+    def chunk(self, all_gather_output: torch.Tensor) -> torch.Tensor:
+        """This rank's post-forward shard of ``all_gather_output``: a copy, so the output itself can be freed."""
+        return ops.post_forward_chunk(all_gather_output.detach(), self.size, self.rank)
+
+
 def _wire_dtype(fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
     """What the parameter is all-gathered and computed in: ``param_dtype`` for floating-point parameters (FSDP2)."""
     dtype = fsdp_param.sharded_param.dtype
@@ -143,8 +167,15 @@ class UnshardedParams:
     must not fire.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], all_gather_outputs: list[torch.Tensor]):
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        all_gather_outputs: list[torch.Tensor],
+        post_forward_shards: list[torch.Tensor] | None = None,
+    ):
         self.tensors = tensors
+        # [Note: resharding to a smaller group]: what backward gathers from, instead of the shards.
+        self.post_forward_shards = post_forward_shards
         self.storage_nbytes = [t.untyped_storage().nbytes() for t in tensors]
         nodes = [out.grad_fn for out in all_gather_outputs if out.grad_fn is not None]
         self.takes_gradients = bool(nodes)
@@ -201,6 +232,7 @@ class FSDPParamGroup:
         reshard_after_forward: bool,
         forwards_per_iteration: int = 1,
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+        reshard_group: ReshardGroup | None = None,
     ):
         self.fsdp_params = fsdp_params
         self.module_name = module_name
@@ -212,6 +244,8 @@ class FSDPParamGroup:
         self.replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else None
         self.data_parallel_size = mesh.size()
         self.reshard_after_forward = reshard_after_forward
+        # FSDP2's reshard_after_forward=<int>: reshard to this smaller group instead.
+        self.reshard_group = reshard_group
         # Fixed at sharding time; held here so a trace reads constants per group.
         self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
         # FSDP2's MixedPrecisionPolicy as the reduction applies it ([Note: mixed-precision
@@ -336,18 +370,33 @@ class FSDPParamGroup:
 
     def _all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """All-gathers the group (one collective per part) and copies out one tensor per parameter."""
-        unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         all_gather_outputs = []
         for part in self.all_gather_parts:
             shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
-            all_gather_output = ops.all_gather_into(
-                shards, part.padded_numels, self.world_size, self.group_name, *self._all_gather_options(part)
+            all_gather_outputs.append(
+                ops.all_gather_into(
+                    shards, part.padded_numels, self.world_size, self.group_name, *self._all_gather_options(part)
+                )
             )
+        return self._copy_out(all_gather_outputs), all_gather_outputs
+
+    def _all_gather_post_forward_shards(self, post_forward_shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The group's unsharded parameters gathered back over the smaller group ([Note: resharding to a smaller group])."""
+        reshard_group = self.reshard_group
+        all_gather_outputs = [
+            ops.all_gather_into([shard], [shard.numel()], reshard_group.size, reshard_group.group_name)
+            for shard in post_forward_shards
+        ]
+        return self._copy_out(all_gather_outputs)
+
+    def _copy_out(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One tensor per parameter, in the group's order, from each part's all-gather output."""
+        unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
+        for part, all_gather_output in zip(self.all_gather_parts, all_gather_outputs):
             per_rank = all_gather_output.view(self.world_size, -1).split(part.padded_numels, dim=1)
             for index, chunk, shape in zip(part.indices, per_rank, part.unsharded_shapes):
                 unsharded[index] = _unpadded(chunk.reshape(-1, *shape[1:]), shape[0])
-            all_gather_outputs.append(all_gather_output)
-        return unsharded, all_gather_outputs
+        return unsharded
 
     def traced_unsharded_params(self) -> list[torch.Tensor]:
         """The group's unsharded parameters inside a torch.compile trace.
@@ -379,6 +428,9 @@ class FSDPParamGroup:
             model_groups=self.model_groups,
             forward_prefetch=tuple(group.module_name for group in self.forward_prefetch),
             backward_prefetch=tuple(group.module_name for group in self.backward_prefetch),
+            reshard_group=None
+            if self.reshard_group is None
+            else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
         )
 
     # Lifecycle --------------------------------------------------------------------
@@ -388,7 +440,10 @@ class FSDPParamGroup:
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
             tensors, all_gather_outputs = self._all_gather()
-            self.unsharded = UnshardedParams(tensors, all_gather_outputs)
+            post_forward_shards = None
+            if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
+                post_forward_shards = [self.reshard_group.chunk(output) for output in all_gather_outputs]
+            self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_shards)
             self._live.append(weakref.ref(self.unsharded))
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
@@ -414,7 +469,10 @@ class FSDPParamGroup:
 
     def _refill(self, unsharded: UnshardedParams) -> None:
         with torch.no_grad():
-            fresh, _ = self._all_gather()
+            if unsharded.post_forward_shards is not None:
+                fresh = self._all_gather_post_forward_shards(unsharded.post_forward_shards)
+            else:
+                fresh, _ = self._all_gather()
         unsharded.refill(fresh)
 
     def show_traced_unsharded_params(self) -> bool:
@@ -536,6 +594,7 @@ class FSDPParamGroup:
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         unsharded.free()
+        unsharded.post_forward_shards = None
         if self.unsharded is unsharded:
             self.unsharded = None
         for fsdp_param in self.fsdp_params:

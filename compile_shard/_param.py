@@ -39,6 +39,9 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   (``fsdp::reduce_scatter_input``), the all-gather output's layout, in the reduction
   dtype: the policy's ``reduce_dtype``, else the trainable parameters' wire dtype
   (``FSDPParamGroup.reduction_dtype``).
+- post-forward chunk: with ``reshard_after_forward=<int>``, the part of a group's
+  all-gather output a rank keeps between forward and backward, gathered back over the
+  smaller group in backward ([Note: resharding to a smaller group] in ``_group``).
 - sharded gradient: this rank's reduced rows, the ``.grad`` of the sharded parameter.
 - group (``FSDPParamGroup``): the parameters of one ``fully_shard`` call, gathered by
   one all-gather and reduced by one reduce-scatter; named after its module

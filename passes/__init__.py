@@ -8,7 +8,8 @@ once: its function, its module, its switch in ``settings`` and its dump file.
 2. ``compile_regions``: with ``settings.compile_regions``, backward
    reads a block region's parameter arguments, not the region's copies of them.
 3. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
-4. ``reshard``: tag each group's all-gather chain for recompute or for saving.
+4. ``reshard``: tag each group's all-gather chain for recompute or for saving (and
+   give a group resharded to a smaller group its backward gather from a saved chunk).
 5. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
 6. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
@@ -22,7 +23,9 @@ Before that, Inductor's joint pre-pass runs ``compile_regions.tag_region_paramet
 compile region's own joint graph, so its partition saves the parameters as inputs.
 
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
-``run_partitioned_suite``): ``reorder`` issues all-gathers ahead and reduce-scatters
+``run_partitioned_suite``): ``lower`` lowers a backward gather from saved chunks, which
+it left whole in the joint graph ([Note: resharding to a smaller group]);
+``reorder`` issues all-gathers ahead and reduce-scatters
 early (the schedule); with Inductor, ``gather_buffers`` lets its memory planner
 allocate (and reuse) the all-gather outputs; ``verify`` after each. ``keep_order`` makes
 Inductor's scheduler keep that schedule.

@@ -53,7 +53,8 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
 # nodes of its ``ac_graph_id``: one id is one recompute region. torch.utils.checkpoint
 # numbers its regions from 0 up; the passes' own regions must never share an id with
 # them or with each other, so each pass that tags draws from its own range here:
-# ``reshard`` one id per resharded group, ``compile_regions`` one for every region's
+# ``reshard`` one id per resharded gather chain (two for a group resharded to a smaller
+# group), ``compile_regions`` one for every region's
 # parameter views.
 _AC_GRAPH_ID_RANGES = {"reshard": 1_000_000, "compile_regions": 2_000_000}
 _AC_GRAPH_ID_RANGE_SIZE = 1_000_000

@@ -136,6 +136,9 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     graph and the simulated schedule into the folder of the joint graph it came from.
     """
     moved = 0
+    # A backward gather from saved chunks is lowered only now ([Note: resharding to a smaller group]).
+    if settings.lower and lower(graph, partitioned=True):
+        _after(lower, graph, None)
     profile_name = cost_profile(graph)
     profile = get_profile(profile_name)
     prefetch_depth, reduce_scatter_depth = scheduled_depths(profile)

@@ -26,6 +26,7 @@ from compile_shard._layout import padded_rows
 from compile_shard.ops import reduces_by_all_to_all
 
 from ._graph import VIEWS, NodeInserter, c10d, cast_dtype, fsdp, op_argument
+from .patterns import gathers_saved_chunks
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -188,11 +189,19 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         _erase_unused_padding(graph, autograd_input)
 
 
-def lower(graph: fx.Graph) -> int:
-    """Lowers every ``fsdp`` collective in ``graph``; returns how many it replaced."""
+def lower(graph: fx.Graph, *, partitioned: bool = False) -> int:
+    """Lowers every ``fsdp`` collective in ``graph``; returns how many it replaced.
+
+    In the joint graph, a backward gather from saved chunks stays an ``fsdp`` op: a
+    pure op, which the partitioner leaves out of the forward graph (a
+    ``_c10d_functional`` wait it would keep there, gathering twice). The suite lowers it
+    in the partitioned backward graph (``partitioned=True``).
+    """
     lowered = 0
     for node in list(graph.nodes):
         if node.target is fsdp.all_gather_into.default:
+            if not partitioned and gathers_saved_chunks(node):
+                continue
             _lower_all_gather(graph, node)
         elif node.target is fsdp.reduce_scatter_grad.default:
             _lower_reduce_scatter(graph, node)

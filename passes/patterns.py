@@ -22,6 +22,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._annotation import group_annotation
 from compile_shard._collectives import node_collective
@@ -41,6 +42,7 @@ _CHAIN_OPS = {
     aten.permute.default,
     aten.expand.default,
     aten._to_copy.default,
+    fsdp.post_forward_chunk.default,
 }
 
 
@@ -111,20 +113,26 @@ def match_copy_out(all_gather_output: fx.Node) -> CopyOut | None:
     return CopyOut(rank_major, split, columns, tuple(copies))
 
 
+# Ops that join chain nodes only: ``copy_out``'s concatenation, and the all-gather
+# output with this rank's post-forward chunk written back ([Note: resharding to a
+# smaller group]).
+_JOINS = (aten.cat.default, aten.slice_scatter.default)
+
+
 def _is_chain_node(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _CHAIN_OPS or node.target is operator.getitem)
 
 
 def copy_out_chain(all_gather_output: fx.Node) -> list[fx.Node]:
     """``all_gather_output`` and the view/copy nodes that follow it: single-input ones, and a
-    ``cat`` of chain nodes only (``copy_out`` concatenates a group's copies)."""
+    join of chain nodes only (``_JOINS``)."""
     chain = [all_gather_output]
     frontier = list(all_gather_output.users)
     while frontier:
         node = frontier.pop()
         if node in chain:
             continue
-        joins_chain = node.target is aten.cat.default and all(producer in chain for producer in node.all_input_nodes)
+        joins_chain = node.target in _JOINS and all(producer in chain for producer in node.all_input_nodes)
         if not (joins_chain or _is_chain_node(node)):
             continue
         chain.append(node)
@@ -142,3 +150,13 @@ def all_gather_chain(all_gather: fx.Node) -> list[fx.Node]:
     """An ``fsdp.all_gather_into``, the shard views feeding it, and its copy-out chain."""
     shard_views = [shard for shard in all_gather.args[0] if _is_chain_node(shard)]
     return shard_views + copy_out_chain(all_gather)
+
+
+def gathers_saved_chunks(all_gather: fx.Node) -> bool:
+    """Whether an ``fsdp.all_gather_into`` gathers chunks the forward saved: a backward gather over a smaller group.
+
+    ``reshard`` builds it ([Note: resharding to a smaller group] in ``compile_shard._group``);
+    ``place`` leaves it where backward reads it, and ``lower`` leaves it whole until the
+    partitioner has put it in the backward graph.
+    """
+    return all(shard.meta.get("recompute") is CheckpointPolicy.MUST_SAVE for shard in all_gather.args[0])

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .patterns import all_gather_outputs, chain_readers, copy_out_chain
+from ._graph import fsdp
+from .patterns import all_gather_outputs, chain_readers, copy_out_chain, gathers_saved_chunks
 
 def _producers(node: fx.Node) -> list[fx.Node]:
     """``node``'s call_function ancestors: the collective and its copy-in, back to the shards."""
@@ -34,6 +35,8 @@ def place(graph: fx.Graph) -> int:
         readers = chain_readers(list(chain))
         if not readers or any(reader.op == "output" for reader in readers):
             continue  # gathered parameters leave the graph (a graph break): leave them be
+        if all_gather_output.target is fsdp.all_gather_into.default and gathers_saved_chunks(all_gather_output):
+            continue  # backward's gather from a saved chunk
         first_reader = min(readers, key=order.__getitem__)
         ordered_chain = sorted(chain, key=order.__getitem__)
         if order[ordered_chain[-1]] + 1 == order[first_reader] and all(

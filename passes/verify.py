@@ -6,13 +6,15 @@
   (``waited_node``), so nothing uses a collective's buffer before it is complete;
 - no storage mutation is left (``fsdp.set_``, ``fsdp.resize_storage_``, ``aten.set_``,
   ``inductor.resize_storage_bytes_``);
-- in a forward graph: no resharded group's gathered parameter is saved for backward.
+- in a forward graph: no resharded group's gathered parameter is saved for backward
+  (a post-forward chunk may be: [Note: resharding to a smaller group]).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._annotation import group_annotation
 from compile_shard._collectives import node_collective
@@ -68,7 +70,11 @@ def verify_forward(graph: fx.Graph) -> None:
         annotation = group_annotation(all_gather_output)
         if not annotation.reshard_after_forward:
             continue
-        saved = [chain_node.name for chain_node in copy_out_chain(all_gather_output) if chain_node in outputs]
+        saved = [
+            chain_node.name
+            for chain_node in copy_out_chain(all_gather_output)
+            if chain_node in outputs and chain_node.meta.get("recompute") is not CheckpointPolicy.MUST_SAVE
+        ]
         if saved:
             raise GraphInvariantError(
                 f"group {annotation.name!r} reshards after forward, but the forward saves its "

@@ -127,6 +127,69 @@ def test_reshard_ignores_unannotated_gathers():
     assert not any("recompute" in n.meta for n in graph_module.graph.nodes)
 
 
+def _gather_use_and_differentiate(shard_w, shard_b, x, tangents_1):
+    """``_gather_and_use`` and the input's gradient, which reads the weight again: a joint graph's two halves."""
+    gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+    per_rank_w, per_rank_b = gathered.view(WORLD, -1).split([12, 2], dim=1)
+    weight = per_rank_w.reshape(-1, 4)[:5]
+    bias = per_rank_b.reshape(-1)[:3]
+    return x @ weight.t()[:, :3] + bias, tangents_1 @ weight[:3]
+
+
+def _smaller_group_joint(prefer_recompute=False):
+    graph_module = trace(_gather_use_and_differentiate, *_shards(), torch.randn(2, 3))
+    annotation = GroupAnnotation("blocks.0", True, ("blocks.0",), ("blocks.0",), reshard_group=(2, 1, "7"))
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    write_group_annotation(gather, annotation)
+    if prefer_recompute:  # as inside an activation checkpoint region
+        for node in graph_module.graph.nodes:
+            if node.target is aten.mm.default:
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    return graph_module
+
+
+def test_reshard_to_a_smaller_group_gathers_a_saved_chunk_in_backward():
+    """[Note: resharding to a smaller group]: forward keeps a chunk, backward gathers it over 2 ranks."""
+    graph_module = _smaller_group_joint()
+    graph = graph_module.graph
+    assert reshard(graph) == 1
+    verify(graph)
+    forward_gather, backward_gather = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    (chunk,) = backward_gather.args[0]
+    assert chunk.target is fsdp.post_forward_chunk.default and chunk.args == (forward_gather, 2, 1)
+    assert chunk.meta["recompute"] is CheckpointPolicy.MUST_SAVE
+    assert backward_gather.args[1:4] == ([14], 2, "7")  # half of the 28 gathered elements, over 2 ranks
+    assert backward_gather.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
+    forward_mm, backward_mm = [n for n in graph.nodes if n.target is aten.mm.default]
+    assert forward_mm.meta["recompute"] is CheckpointPolicy.MUST_SAVE  # saved, not recomputed from a whole gather
+    with_chunk = next(user for user in forward_gather.users if user.target is aten.slice_scatter.default)
+    assert with_chunk.args[1] is chunk  # the forward reads the chunk, so the partitioner saves it
+    assert backward_gather in _ancestors(backward_mm) and backward_gather not in _ancestors(forward_mm)
+
+
+def _ancestors(node):
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        ancestor = stack.pop()
+        if ancestor not in seen:
+            seen.add(ancestor)
+            stack.extend(ancestor.all_input_nodes)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["checkpointed", "no_backward_reader"])
+def test_reshard_to_a_smaller_group_leaves_graphs_that_gather_over_the_whole_group_anyway(case):
+    if case == "checkpointed":
+        graph_module = _smaller_group_joint(prefer_recompute=True)
+    else:
+        graph_module = trace(_gather_and_use, *_shards())
+        (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+        write_group_annotation(gather, GroupAnnotation("b", True, ("b",), ("b",), reshard_group=(2, 1, "7")))
+    assert reshard(graph_module.graph) == 1
+    assert len(graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)) == 1
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.post_forward_chunk.default)
+
+
 # lower -----------------------------------------------------------------------------
 
 

@@ -252,3 +252,12 @@ def test_dp_mesh_dims_errors_name_the_parameter_and_the_fix():
             fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
         with pytest.raises(NotImplementedError, match=r"dp_mesh_dims.shard=\('dp', 'tp'\) names several mesh dims"):
             fully_shard(torch.nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp", "tp")))
+
+
+def test_resharding_tensor_parallel_parameters_to_a_smaller_group_is_torch_fsdp2s_not_implemented():
+    with FakeProcessGroup(8):
+        mesh = _mesh((4, 2))
+        column = torch.nn.Linear(4, 4)
+        column.weight = torch.nn.Parameter(distribute_tensor(column.weight.detach(), mesh["tp"], [Shard(0)]))
+        with pytest.raises(NotImplementedError, match=r"resharding to a smaller group .* not supported for DTensor"):
+            fully_shard(column, mesh=mesh["dp"], reshard_after_forward=2)

@@ -9,7 +9,8 @@ AOTAutograd's functional-graph check satisfied.
 One module per job; importing this package registers every op:
 
 - ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
-- ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``;
+- ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
+  ``post_forward_chunk``;
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
   ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
 - ``storage``: ``set_``, ``resize_storage_``;
@@ -36,7 +37,7 @@ none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 """
 
 from . import transport
-from .all_gather import all_gather_into, all_gather_params_, all_gather_send_recv_
+from .all_gather import all_gather_into, all_gather_params_, all_gather_send_recv_, post_forward_chunk
 from .backend import gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
     all_to_all_grads_,
@@ -52,6 +53,7 @@ __all__ = [
     "all_gather_into",
     "all_gather_params_",
     "all_gather_send_recv_",
+    "post_forward_chunk",
     "all_to_all_grads_",
     "all_to_all_into_",
     "gathers_by_send_recv",

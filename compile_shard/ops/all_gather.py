@@ -30,6 +30,7 @@ _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
     "str group_name) -> ()"
 )
+_lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
 _lib.define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
     "SymInt world_size, str group_name) -> ()"
@@ -188,6 +189,35 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     return shard_grads, *[None] * (len(ctx.needs_input_grad) - 1)
 
 
+# post_forward_chunk ------------------------------------------------------------------
+# A copy of chunk ``rank`` of ``size`` equal chunks of an all-gather output: what a rank
+# keeps after forward when it reshards to a smaller group ([Note: resharding to a
+# smaller group] in compile_shard._group). An op of its own, not a slice and a clone:
+# Inductor removes the clone, and the partitioner would then recompute the slice (a
+# view) in backward from a gather over the whole group instead of saving it.
+
+
+def _check_chunks(all_gather_output, size, rank) -> None:
+    torch._check(
+        all_gather_output.dim() == 1 and all_gather_output.numel() % size == 0 and 0 <= rank < size,
+        lambda: (
+            f"fsdp::post_forward_chunk: needs a 1-D output divisible into {size} chunks and a rank below {size}, got "
+            f"shape {tuple(all_gather_output.shape)} and rank {rank}"
+        ),
+    )
+
+
+def _post_forward_chunk_kernel(all_gather_output, size, rank):
+    _check_chunks(all_gather_output, size, rank)
+    numel = all_gather_output.numel() // size
+    return all_gather_output[rank * numel : (rank + 1) * numel].clone()
+
+
+def _post_forward_chunk_meta(all_gather_output, size, rank):
+    _check_chunks(all_gather_output, size, rank)
+    return all_gather_output.new_empty(all_gather_output.numel() // size)
+
+
 # all_gather_send_recv_ ---------------------------------------------------------------
 
 
@@ -257,6 +287,7 @@ def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size,
 register_kernels("all_gather_into", _all_gather_into_kernel, _all_gather_into_meta)
 register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_params_meta)
 register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
+register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward_chunk_meta)
 
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
@@ -265,3 +296,4 @@ torch.library.register_autograd(
 all_gather_into = torch.ops.fsdp.all_gather_into.default
 all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
 all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
+post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default
