@@ -76,17 +76,24 @@ def test_hsdp_matches_torch_fsdp2(shape, backends):
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4), (2, 1)], ids=["2x4", "4x4", "2x1_no_shard"])
 def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(shape):
-    """A fake process group: FSDP2's collectives per step, the all-reduces in the backward graph.
+    """A fake process group: torch FSDP2's collectives per step, the all-reduces in the backward graph, 20 steps.
 
     NO_SHARD's graphs gather and reduce-scatter nothing: one all-reduce per group.
     """
     capture = CapturingBackend()
     torch._dynamo.reset()
+    clear_compilation_metrics()
+    counters.clear()
     with FakeProcessGroup(shape[0] * shape[1]):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        theirs, _ = build_sharded_llama(CONFIG, shard=functools.partial(torch_fully_shard, mesh=mesh))
         model, _ = build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))
-        tokens = global_batch(0, 1, 2, 8, CONFIG.vocab_size)
-        lm_loss(torch.compile(model, backend=capture.backend, fullgraph=True), tokens).backward()
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        for step in range(20):
+            tokens = global_batch(step, 1, 2, 8, CONFIG.vocab_size)
+            collectives = _counted_step(compiled, tokens)
+        assert collectives == _counted_step(theirs, tokens)  # counts and bytes
+        assert recompiles() == 0 and not counters["graph_break"]
     torch._dynamo.reset()
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
     groups = CONFIG.n_layers + 1

@@ -91,16 +91,21 @@ def test_tensor_parallel_fsdp_matches_torch_fsdp2(shape, backends):
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4)], ids=["2x4", "4x4"])
 def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
-    """A fake process group: one graph each way holding FSDP's and TP's collectives, no recompile in 20 steps."""
+    """A fake process group: one graph each way holding FSDP's and TP's collectives (torch FSDP2's per step), no
+    recompile in 20 steps."""
     capture = CapturingBackend()
     torch._dynamo.reset()
     clear_compilation_metrics()
     counters.clear()
     with FakeProcessGroup(shape[0] * shape[1]):
-        model = build_tensor_parallel_llama(CONFIG, _mesh(shape))
+        mesh = _mesh(shape)
+        theirs = build_tensor_parallel_llama(CONFIG, mesh, shard=torch_fully_shard)
+        model = build_tensor_parallel_llama(CONFIG, mesh)
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         for step in range(20):
-            lm_loss(compiled, global_batch(step, 1, 2, 8, CONFIG.vocab_size)).backward()
+            tokens = global_batch(step, 1, 2, 8, CONFIG.vocab_size)
+            collectives = _counted_step(compiled, tokens)
+        assert collectives == _counted_step(theirs, tokens)  # torch FSDP2's collectives and bytes, TP's included
         assert recompiles() == 0 and not counters["graph_break"]
     torch._dynamo.reset()
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
