@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LlamaConfig", "Llama", "TransformerBlock"]
+__all__ = ["LlamaConfig", "Llama", "TransformerBlock", "tensor_parallel_plan"]
 
 
 @dataclass
@@ -123,3 +123,21 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+def tensor_parallel_plan() -> dict:
+    """Megatron's tensor-parallel plan for a ``TransformerBlock``, for ``parallelize_module(block, tp_mesh, plan)``.
+
+    The attention's query, key and value projections and the feed-forward's ``w1`` and
+    ``w3`` are split by output columns, ``wo`` and ``w2`` by input rows, so each block
+    all-reduces twice in forward; the norms stay replicated.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        **{f"attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")},
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
-from compile_shard.models import Llama, LlamaConfig
+from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
 
 # [Note: ranks forked from a preloaded server]
 # Each rank of a gloo test is a fresh process, so no rank sees another test's Dynamo
@@ -97,7 +97,7 @@ def build_sharded_llama(config: LlamaConfig, *, seed: int = 0, block_reshard=Non
 
 
 def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, shard=fully_shard):
-    """A Llama whose blocks are tensor-parallel over ``mesh["tp"]`` (Megatron's column/row plan), sharded over ``mesh["dp"]``.
+    """A Llama whose blocks are tensor-parallel over ``mesh["tp"]`` (``tensor_parallel_plan``), sharded over ``mesh["dp"]``.
 
     ``mesh``: a mesh with dims named "dp" and "tp", or a dict of those two meshes.
 
@@ -105,15 +105,8 @@ def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, sha
     """
     torch.manual_seed(seed)
     model = Llama(config)
-    plan = {
-        **{f"attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")},
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
     for block in model.layers:
-        parallelize_module(block, mesh["tp"], plan)
+        parallelize_module(block, mesh["tp"], tensor_parallel_plan())
         shard(block, mesh=mesh["dp"])
     shard(model, mesh=mesh["dp"])
     return model
