@@ -74,18 +74,12 @@ def unsharded_dtensor(local: torch.Tensor, spec: DTensorSpec, data_parallel_dims
     """The gathered ``local`` tensor as the parameter the forward computes with (see the note above).
 
     On an SPMD mesh the gradient is declared a ``Partial`` sum on the data-parallel
-    dims (``grad_placements``), what a batch sharded over them produces, so the backward
-    redistributes it on the other dims only.
+    dims (``grad_placements``, torch >= 2.12 like ``dp_mesh_dims`` itself), what a batch
+    sharded over them produces, so the backward redistributes it on the other dims only.
     """
-    grad_placements = tuple(
-        Partial() if dim in data_parallel_dims else placement for dim, placement in enumerate(spec.placements)
-    )
-    return DTensor.from_local(
-        local,
-        spec.mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.shape,
-        stride=spec.stride,
-        grad_placements=grad_placements if data_parallel_dims else None,
-    )
+    layout = dict(run_check=False, shape=spec.shape, stride=spec.stride)
+    if data_parallel_dims:
+        layout["grad_placements"] = tuple(
+            Partial() if dim in data_parallel_dims else placement for dim, placement in enumerate(spec.placements)
+        )
+    return DTensor.from_local(local, spec.mesh, spec.placements, **layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import sys
@@ -60,8 +61,27 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     os._exit(0)
 
 
+def _start_fork_server_without_gpus() -> None:
+    """Starts the fork server (once) with no GPU visible: the ranks are CPU processes.
+
+    On a machine with a GPU, a rank forked from a server that has touched CUDA cannot
+    initialize CUDA again, and Dynamo reads the CUDA RNG state whenever CUDA is
+    available; without a visible GPU neither happens.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 def run_gloo(fn, world_size: int, *args) -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises failures."""
+    _start_fork_server_without_gpus()
     mp.start_processes(
         _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
     )
