@@ -67,7 +67,7 @@ def _hsdp_worker(rank, world_size, shape, backends):
 # once, on 4 processes.
 @pytest.mark.parametrize(
     "shape, backends",
-    [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None,))],
+    [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None, "aot_eager"))],
     ids=["1x2", "2x1", "2x2"],
 )
 def test_hsdp_matches_torch_fsdp2(shape, backends):
