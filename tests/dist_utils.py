@@ -13,12 +13,16 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
+from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
 
 # [Note: ranks forked from a preloaded server]
@@ -130,6 +134,76 @@ def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, sha
         shard(block, mesh=mesh["dp"])
     shard(model, mesh=mesh["dp"])
     return model
+
+
+def counted_step(runnable, tokens: torch.Tensor) -> tuple[dict, dict]:
+    """One forward and backward of ``lm_loss``; the collectives it ran, counts and bytes by kind."""
+    with CollectiveCounter() as counter:
+        lm_loss(runnable, tokens).backward()
+    return dict(counter.counts), dict(counter.bytes)
+
+
+def assert_gradients_match(model, theirs) -> None:
+    """Placements, meshes and local gradients of ``model``'s parameters equal ``theirs``' (torch FSDP2's), bitwise."""
+    for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
+        assert param.placements == other.placements and param.device_mesh == other.device_mesh, name
+        assert param.grad.placements == other.grad.placements, name
+        torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+
+
+def step_optimizers_and_compare(optimizers, models, theirs) -> None:
+    """``optimizer.step()`` and ``zero_grad()`` on each; then every model's parameters equal ``theirs``', bitwise."""
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+    for model in models:
+        for param, other in zip(model.parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+
+
+def train_against_torch_fsdp2(theirs, models, backends, tokens_for_step, steps: int = 3) -> None:
+    """Trains torch FSDP2's ``theirs`` and compile_shard's ``models`` (each run by its backend, None: eagerly) alike.
+
+    AdamW on the batches ``tokens_for_step(step)``; every step, eager runs issue torch
+    FSDP2's collectives (counts and bytes), and every model's placements, gradients and
+    parameters equal FSDP2's bitwise; compiled runs make one graph, no break and no
+    recompile.
+    """
+    runs = [model if backend is None else torch.compile(model, backend=backend) for model, backend in zip(models, backends)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
+    clear_compilation_metrics()
+    counters.clear()
+    for step in range(steps):
+        tokens = tokens_for_step(step)
+        torch_collectives = counted_step(theirs, tokens)
+        for model, run, backend in zip(models, runs, backends):
+            collectives = counted_step(run, tokens)
+            if backend is None:
+                assert collectives == torch_collectives, (collectives, torch_collectives)
+            assert_gradients_match(model, theirs)
+        step_optimizers_and_compare(optimizers, models, theirs)
+    if any(backends):
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+
+
+def dcp_exchange_both_ways(ours, theirs, other_theirs, folder: str) -> None:
+    """DCP: ``ours`` saves and ``theirs`` loads, then ``other_theirs`` saves and ``ours`` loads; every parameter exact.
+
+    ``other_theirs`` is doubled first, so the second direction saves values neither
+    model started from.
+    """
+    with torch.no_grad():
+        for param in other_theirs.parameters():
+            param.mul_(2)
+    for saver, loader, name in ((ours, theirs, "ours"), (other_theirs, ours, "theirs")):
+        path = os.path.join(folder, name)
+        dcp.save(get_model_state_dict(saver), checkpoint_id=path)
+        state_dict = get_model_state_dict(loader)
+        dcp.load(state_dict, checkpoint_id=path)
+        set_model_state_dict(loader, state_dict)
+        expected = {param_name: param.full_tensor() for param_name, param in saver.named_parameters()}
+        for param_name, param in loader.named_parameters():
+            torch.testing.assert_close(param.full_tensor(), expected[param_name], rtol=0, atol=0, msg=param_name)
 
 
 def global_batch(step: int, world_size: int, batch_per_rank: int, seq: int, vocab: int) -> torch.Tensor:

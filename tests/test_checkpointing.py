@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import build_sharded_llama, dcp_exchange_both_ways, global_batch, lm_loss, run_gloo
 
 CONFIG = LlamaConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16)
 SEQ = 8
@@ -271,32 +271,15 @@ def test_dcp_exchange_with_torch_fsdp2(trained):
     run_gloo(_exchange_worker, 1, trained)
 
 
-def _full_parameters(model) -> dict[str, torch.Tensor]:
-    return {name: param.full_tensor() for name, param in model.named_parameters()}
-
-
 def _hsdp_exchange_worker(rank, world_size, folder):
     def build(shard, shape, seed):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         return build_sharded_llama(CONFIG, seed=seed, shard=functools.partial(shard, mesh=mesh))[0]
 
-    hsdp = build(fully_shard, (2, 1), seed=0)
-    fsdp2 = build(torch_fully_shard, (1, 2), seed=1)
-    with torch.no_grad():  # the second direction saves values neither model started from
-        doubled = build(torch_fully_shard, (1, 2), seed=2)
-        for param in doubled.parameters():
-            param.mul_(2)
-    for saver, loader, name in ((hsdp, fsdp2, "hsdp_2x1"), (doubled, hsdp, "fsdp2_1x2")):
-        path = os.path.join(folder, name)
-        dcp.save(get_model_state_dict(saver), checkpoint_id=path)
-        state_dict = get_model_state_dict(loader)
-        dcp.load(state_dict, checkpoint_id=path)
-        set_model_state_dict(loader, state_dict)
-        expected = _full_parameters(saver)
-        for param_name, value in _full_parameters(loader).items():
-            torch.testing.assert_close(value, expected[param_name], rtol=0, atol=0, msg=param_name)
-        for param in loader.parameters():
-            assert param.placements == (Replicate(), Shard(0))
+    hsdp, fsdp2 = build(fully_shard, (2, 1), seed=0), build(torch_fully_shard, (1, 2), seed=1)
+    dcp_exchange_both_ways(hsdp, fsdp2, build(torch_fully_shard, (1, 2), seed=2), folder)
+    for model in (hsdp, fsdp2):
+        assert all(param.placements == (Replicate(), Shard(0)) for param in model.parameters())
     assert tuple(next(hsdp.parameters()).device_mesh.shape) == (2, 1)
 
 

@@ -15,19 +15,21 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from compile_shard import fully_shard
-from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import (
+    FakeProcessGroup,
+    build_sharded_llama,
+    counted_step,
+    global_batch,
+    lm_loss,
+    run_gloo,
+    train_against_torch_fsdp2,
+)
 from graph_utils import CapturingBackend, op_counts, pass_settings
 
 CONFIG = LlamaConfig()
 STEPS = 3
-
-
-def _counted_step(runnable, tokens):
-    with CollectiveCounter() as counter:
-        lm_loss(runnable, tokens).backward()
-    return dict(counter.counts), dict(counter.bytes)
 
 
 def _hsdp_worker(rank, world_size, shape, backends):
@@ -35,30 +37,11 @@ def _hsdp_worker(rank, world_size, shape, backends):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     theirs, _ = build_sharded_llama(CONFIG, shard=functools.partial(torch_fully_shard, mesh=mesh))
     models = [build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))[0] for _ in backends]
-    runs = [m if backend is None else torch.compile(m, backend=backend) for m, backend in zip(models, backends)]
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
-    clear_compilation_metrics()
-    counters.clear()
     replica = rank // shape[1]  # the replicas train on different rows of the global batch
-    for step in range(STEPS):
-        tokens = global_batch(step, shape[0], 2, 8, CONFIG.vocab_size)[2 * replica : 2 * replica + 2]
-        torch_collectives = _counted_step(theirs, tokens)
-        for model, run, backend in zip(models, runs, backends):
-            collectives = _counted_step(run, tokens)
-            if backend is None:
-                assert collectives == torch_collectives, (collectives, torch_collectives)
-            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
-                assert param.placements == other.placements == (Replicate(), Shard(0)), name
-                assert param.grad.placements == other.grad.placements, name
-                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    for model in models:
-        for param, other in zip(model.parameters(), theirs.parameters()):
-            torch.testing.assert_close(param.full_tensor(), other.full_tensor(), rtol=0, atol=0)
-    if any(backends):
-        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+    train_against_torch_fsdp2(
+        theirs, models, backends, lambda step: global_batch(step, shape[0], 2, 8, CONFIG.vocab_size)[2 * replica : 2 * replica + 2]
+    )
+    assert all(param.placements == (Replicate(), Shard(0)) for model in models for param in model.parameters())
 
 
 # (1, 2): FSDP over both ranks with a replicate group of one; (2, 1): NO_SHARD, two
@@ -91,8 +74,8 @@ def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(sh
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         for step in range(20):
             tokens = global_batch(step, 1, 2, 8, CONFIG.vocab_size)
-            collectives = _counted_step(compiled, tokens)
-        assert collectives == _counted_step(theirs, tokens)  # counts and bytes
+            collectives = counted_step(compiled, tokens)
+        assert collectives == counted_step(theirs, tokens)  # counts and bytes
         assert recompiles() == 0 and not counters["graph_break"]
     torch._dynamo.reset()
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
@@ -125,7 +108,7 @@ def _accumulate_without_all_reduce_worker(rank, world_size, backend):
             collectives = []
             for model, runnable in ((theirs, theirs), (ours, run)):
                 model.set_requires_all_reduce(last)
-                collectives.append(_counted_step(runnable, micro_batch))
+                collectives.append(counted_step(runnable, micro_batch))
             assert collectives[0] == collectives[1], collectives
             assert collectives[1][0].get("all_reduce", 0) == (CONFIG.n_layers + 1 if last else 0)
             for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):

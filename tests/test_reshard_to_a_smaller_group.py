@@ -14,19 +14,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
-from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import FakeProcessGroup, build_sharded_llama, counted_step, global_batch, lm_loss, run_gloo
 from graph_utils import CapturingBackend, c10d
 
 CONFIG = LlamaConfig()
 STEPS = 3
-
-
-def _counted_step(runnable, tokens):
-    with CollectiveCounter() as counter:
-        lm_loss(runnable, tokens).backward()
-    return dict(counter.counts), dict(counter.bytes)
 
 
 def _worker(rank, world_size):
@@ -49,7 +43,7 @@ def _worker(rank, world_size):
     counters.clear()
     for step in range(STEPS):
         tokens = global_batch(step, world_size, 2, 8, CONFIG.vocab_size)[2 * rank : 2 * rank + 2]
-        collectives = [_counted_step(run, tokens) for run in runs]
+        collectives = [counted_step(run, tokens) for run in runs]
         assert collectives[0] == collectives[1], collectives  # counts and bytes: backward gathers 2 ranks' chunks
         for name, param in ours.named_parameters():
             same = [model.get_parameter(name).grad.to_local() for model in (whole_group, compiled)]

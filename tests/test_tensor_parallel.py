@@ -6,22 +6,29 @@ parameter] in compile_shard._param), collectives, gradients and parameters.
 """
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch._dynamo.utils import clear_compilation_metrics, counters
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from compile_shard import fully_shard
-from compile_shard.debug import CollectiveCounter, recompiles
+from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_tensor_parallel_llama, global_batch, lm_loss, run_gloo
+from dist_utils import (
+    FakeProcessGroup,
+    assert_gradients_match,
+    build_tensor_parallel_llama,
+    counted_step,
+    dcp_exchange_both_ways,
+    global_batch,
+    run_gloo,
+    step_optimizers_and_compare,
+    train_against_torch_fsdp2,
+)
 from graph_utils import CapturingBackend, op_counts
 
 CONFIG = LlamaConfig()
@@ -36,45 +43,21 @@ def _mesh(shape):
     return {"dp": world["replicate", "shard"], "tp": world["tp"]}
 
 
-def _counted_step(runnable, tokens):
-    with CollectiveCounter() as counter:
-        lm_loss(runnable, tokens).backward()
-    return dict(counter.counts), dict(counter.bytes)
-
-
 def _parity_worker(rank, world_size, shape, backends):
     """Each backend's compile_shard model against torch FSDP2: placements, gradients and parameters bitwise."""
     mesh = _mesh(shape)
     theirs = build_tensor_parallel_llama(CONFIG, mesh, shard=torch_fully_shard)
     models = [build_tensor_parallel_llama(CONFIG, mesh) for _ in backends]
-    runs = [m if backend is None else torch.compile(m, backend=backend) for m, backend in zip(models, backends)]
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
-    clear_compilation_metrics()
-    counters.clear()
     data_parallel_rank = rank // shape[-1]  # the TP ranks of one data-parallel rank read the same rows
-    for step in range(STEPS):
+
+    def tokens_for_step(step):
         tokens = global_batch(step, world_size // shape[-1], 2, 8, CONFIG.vocab_size)
-        tokens = tokens[2 * data_parallel_rank : 2 * data_parallel_rank + 2]
-        torch_collectives = _counted_step(theirs, tokens)
-        for model, run, backend in zip(models, runs, backends):
-            collectives = _counted_step(run, tokens)
-            if backend is None:
-                assert collectives == torch_collectives, (collectives, torch_collectives)
-            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
-                assert param.placements == other.placements and param.device_mesh == other.device_mesh, name
-                assert param.grad.placements == other.grad.placements, name
-                torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    for model in models:
-        for param, other in zip(model.parameters(), theirs.parameters()):
-            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+        return tokens[2 * data_parallel_rank : 2 * data_parallel_rank + 2]
+
+    train_against_torch_fsdp2(theirs, models, backends, tokens_for_step)
     if shape == (2, 2):
         wq = models[0].layers[0].attention.wq.weight
         assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0))
-    if any(backends):
-        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
 
 
 # (1, 2): tensor parallelism alone, FSDP over groups of one rank; (2, 1): FSDP alone on
@@ -104,8 +87,8 @@ def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
         compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
         for step in range(20):
             tokens = global_batch(step, 1, 2, 8, CONFIG.vocab_size)
-            collectives = _counted_step(compiled, tokens)
-        assert collectives == _counted_step(theirs, tokens)  # torch FSDP2's collectives and bytes, TP's included
+            collectives = counted_step(compiled, tokens)
+        assert collectives == counted_step(theirs, tokens)  # torch FSDP2's collectives and bytes, TP's included
         assert recompiles() == 0 and not counters["graph_break"]
     torch._dynamo.reset()
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
@@ -121,20 +104,10 @@ def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
 def _exchange_worker(rank, world_size, folder):
     """compile_shard at (1, 2) saves, torch FSDP2 at (2, 1) loads, and back: every parameter exact."""
     ours = build_tensor_parallel_llama(CONFIG, _mesh((1, 2)), seed=0)
-    theirs = build_tensor_parallel_llama(CONFIG, _mesh((2, 1)), seed=1, shard=torch_fully_shard)
-    with torch.no_grad():  # the second direction saves values neither model started from
-        doubled = build_tensor_parallel_llama(CONFIG, _mesh((2, 1)), seed=2, shard=torch_fully_shard)
-        for param in doubled.parameters():
-            param.mul_(2)
-    for saver, loader, name in ((ours, theirs, "ours_1x2"), (doubled, ours, "theirs_2x1")):
-        path = os.path.join(folder, name)
-        dcp.save(get_model_state_dict(saver), checkpoint_id=path)
-        state_dict = get_model_state_dict(loader)
-        dcp.load(state_dict, checkpoint_id=path)
-        set_model_state_dict(loader, state_dict)
-        expected = {param_name: param.full_tensor() for param_name, param in saver.named_parameters()}
-        for param_name, param in loader.named_parameters():
-            torch.testing.assert_close(param.full_tensor(), expected[param_name], rtol=0, atol=0, msg=param_name)
+    theirs, other = (
+        build_tensor_parallel_llama(CONFIG, _mesh((2, 1)), seed=seed, shard=torch_fully_shard) for seed in (1, 2)
+    )
+    dcp_exchange_both_ways(ours, theirs, other, folder)
 
 
 def test_dcp_exchange_with_torch_fsdp2_on_another_mesh(tmp_path):
@@ -217,15 +190,8 @@ def _spmd_worker(rank, world_size, shape, backends):
         for run in (theirs, *runs):
             (run(DTensor.from_local(local, mesh, batch_placements)) ** 2).sum().backward()
         for model in models:
-            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
-                assert param.placements == other.placements and param.device_mesh is other.device_mesh, name
-                torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    for model in models:
-        for param, other in zip(model.parameters(), theirs.parameters()):
-            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+            assert_gradients_match(model, theirs)
+        step_optimizers_and_compare(optimizers, models, theirs)
     assert models[0].blocks[0].w1.weight.placements[-2:] == (_StridedShard(0, split_factor=2), Shard(0))
     if any(backends):
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
