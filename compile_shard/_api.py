@@ -638,7 +638,7 @@ def _tensor_parallel_dims(modules: list[nn.Module]) -> set[str]:
 
 
 def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter]) -> None:
-    """A DTensor parameter: FSDP2's tensor parallelism, one Shard or Replicate placement on another dim of the same mesh."""
+    """A DTensor parameter is FSDP2's tensor parallelism: one Shard or Replicate placement, another dim of the mesh."""
     for fqn, param in named.items():
         if not isinstance(param, DTensor):
             continue
@@ -651,7 +651,8 @@ def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str,
                 "RowwiseParallel make them). Parallelize the module with such a plan first"
             )
         tp_dims, dp_dims = tp_mesh.mesh_dim_names, mesh.mesh_dim_names
-        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or tp_mesh._get_root_mesh() is not mesh._get_root_mesh():
+        same_root = tp_mesh._get_root_mesh() is mesh._get_root_mesh()
+        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or not same_root:
             raise ValueError(
                 f"fully_shard({label}): parameter {fqn!r} is a DTensor on the mesh {tp_dims}, which is not another "
                 f"dim of the data-parallel mesh {dp_dims}'s named mesh. Slice both from one mesh, e.g. "
@@ -703,7 +704,7 @@ def _data_parallel_dims(label: str, mesh: DeviceMesh, dp_mesh_dims: Any) -> tupl
 
 
 def _check_spmd_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter], dims: tuple[int, ...]) -> None:
-    """With ``dp_mesh_dims``, every parameter is a DTensor on ``mesh`` itself, replicated on the data-parallel dims (FSDP2)."""
+    """With ``dp_mesh_dims`` every parameter is a DTensor on ``mesh`` itself, replicated on the data-parallel dims."""
     for fqn, param in named.items():
         if not isinstance(param, DTensor) or param.device_mesh is not mesh:
             raise ValueError(

@@ -90,8 +90,8 @@ class ReshardGroup:
 
     [Note: resharding to a smaller group]
     Between forward and backward each rank keeps ``1 / size`` of every all-gather
-    output (FSDP2's post-forward shard): the all-gather output is rank-major over the
-    group's ``world_size`` ranks, so chunk ``rank`` of ``size`` equal chunks holds the
+    output, its post-forward chunk (FSDP2's post-forward shard): the all-gather output
+    is rank-major over the group's ``world_size`` ranks, so chunk ``rank`` of ``size`` equal chunks holds the
     shards of ``world_size / size`` consecutive ranks. Backward all-gathers these
     chunks over ``size`` ranks (``group_name``: ranks that are consecutive within the
     shard group, FSDP2's post-forward mesh), which rebuilds the whole output in the
@@ -104,7 +104,7 @@ class ReshardGroup:
     group_name: str
 
     def chunk(self, all_gather_output: torch.Tensor) -> torch.Tensor:
-        """This rank's post-forward shard of ``all_gather_output``: a copy, so the output itself can be freed."""
+        """This rank's post-forward chunk of ``all_gather_output``: a copy, so the output itself can be freed."""
         return ops.post_forward_chunk(all_gather_output.detach(), self.size, self.rank)
 
 
@@ -171,11 +171,11 @@ class UnshardedParams:
         self,
         tensors: list[torch.Tensor],
         all_gather_outputs: list[torch.Tensor],
-        post_forward_shards: list[torch.Tensor] | None = None,
+        post_forward_chunks: list[torch.Tensor] | None = None,
     ):
         self.tensors = tensors
         # [Note: resharding to a smaller group]: what backward gathers from, instead of the shards.
-        self.post_forward_shards = post_forward_shards
+        self.post_forward_chunks = post_forward_chunks
         self.storage_nbytes = [t.untyped_storage().nbytes() for t in tensors]
         nodes = [out.grad_fn for out in all_gather_outputs if out.grad_fn is not None]
         self.takes_gradients = bool(nodes)
@@ -380,12 +380,12 @@ class FSDPParamGroup:
             )
         return self._copy_out(all_gather_outputs), all_gather_outputs
 
-    def _all_gather_post_forward_shards(self, post_forward_shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The group's unsharded parameters gathered back over the smaller group ([Note: resharding to a smaller group])."""
+    def _all_gather_post_forward_chunks(self, post_forward_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The unsharded parameters, gathered back over the smaller group ([Note: resharding to a smaller group])."""
         reshard_group = self.reshard_group
         all_gather_outputs = [
-            ops.all_gather_into([shard], [shard.numel()], reshard_group.size, reshard_group.group_name)
-            for shard in post_forward_shards
+            ops.all_gather_into([chunk], [chunk.numel()], reshard_group.size, reshard_group.group_name)
+            for chunk in post_forward_chunks
         ]
         return self._copy_out(all_gather_outputs)
 
@@ -440,10 +440,10 @@ class FSDPParamGroup:
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
             tensors, all_gather_outputs = self._all_gather()
-            post_forward_shards = None
+            post_forward_chunks = None
             if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
-                post_forward_shards = [self.reshard_group.chunk(output) for output in all_gather_outputs]
-            self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_shards)
+                post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
+            self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
@@ -469,8 +469,8 @@ class FSDPParamGroup:
 
     def _refill(self, unsharded: UnshardedParams) -> None:
         with torch.no_grad():
-            if unsharded.post_forward_shards is not None:
-                fresh = self._all_gather_post_forward_shards(unsharded.post_forward_shards)
+            if unsharded.post_forward_chunks is not None:
+                fresh = self._all_gather_post_forward_chunks(unsharded.post_forward_chunks)
             else:
                 fresh, _ = self._all_gather()
         unsharded.refill(fresh)
@@ -594,7 +594,7 @@ class FSDPParamGroup:
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         unsharded.free()
-        unsharded.post_forward_shards = None
+        unsharded.post_forward_chunks = None
         if self.unsharded is unsharded:
             self.unsharded = None
         for fsdp_param in self.fsdp_params:

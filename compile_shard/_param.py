@@ -242,7 +242,7 @@ class FSDPParam:
         self.unsharded_param = None
 
     def show_unsharded(self, unsharded_param: torch.Tensor) -> None:
-        """The modules read ``unsharded_param`` until ``show_sharded``: a DTensor with the TP placements for a tensor-parallel parameter."""
+        """The modules read ``unsharded_param`` until ``show_sharded`` (a tensor-parallel one as a DTensor again)."""
         if self.tp_spec is not None:
             unsharded_param = unsharded_dtensor(unsharded_param, self.tp_spec, self.spmd_data_parallel_dims)
         self.unsharded_param = unsharded_param

@@ -60,7 +60,7 @@ def tensor_parallel_layout(mesh: DeviceMesh, spec: DTensorSpec) -> tuple[DeviceM
 
 
 def spmd_layout(spec: DTensorSpec, shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The sharded parameter's mesh and placements for a DTensor on the full SPMD mesh, sharded on mesh dim ``shard_dim``."""
+    """The sharded parameter's mesh and placements for a DTensor on the full SPMD mesh, sharded on ``shard_dim``."""
     mesh, placements = spec.mesh, list(spec.placements)
     later_shards = 1
     for dim in range(shard_dim + 1, mesh.ndim):

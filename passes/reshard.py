@@ -14,10 +14,10 @@ backward uses the gathered parameters without a second all-gather.
 
 A group that reshards to a smaller group ([Note: resharding to a smaller group] in
 ``compile_shard._group``) is tagged as a resharded one, and its backward reads a
-second copy-out chain instead: ``_reshard_to_smaller_group`` slices this rank's chunk
-of the all-gather output into a copy the forward saves (``MUST_SAVE``), all-gathers
-the chunks over the smaller group and copies out again, all ``MUST_RECOMPUTE``, so the
-partitioner runs that gather in backward from the saved chunk. A group whose
+second copy-out chain instead: ``_reshard_to_smaller_group`` copies this rank's chunk
+of the all-gather output (``fsdp.post_forward_chunk``, which the forward saves:
+``MUST_SAVE``), all-gathers the chunks over the smaller group and copies out again, all
+``MUST_RECOMPUTE``, so the partitioner runs that gather in backward from the saved chunk. A group whose
 forward an activation checkpoint recomputes in backward gathers over the whole group
 there, as with ``True``: the recomputed forward reads the parameters anyway.
 """
@@ -115,7 +115,8 @@ def reshard(graph: fx.Graph) -> int:
     backward = _backward_nodes(graph)
     position = {node: index for index, node in enumerate(graph.nodes)}
     tagged = 0
-    for index, node in enumerate(graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)):
+    # The gathers before any is added for a smaller group.
+    for index, node in enumerate(list(graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default))):
         annotation = group_annotation(node)
         if annotation is None:
             continue

@@ -121,7 +121,7 @@ def build_sharded_llama(config: LlamaConfig, *, seed: int = 0, block_reshard=Non
 
 
 def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, shard=fully_shard):
-    """A Llama whose blocks are tensor-parallel over ``mesh["tp"]`` (``tensor_parallel_plan``), sharded over ``mesh["dp"]``.
+    """A Llama, its blocks tensor-parallel over ``mesh["tp"]`` (``tensor_parallel_plan``), sharded over ``mesh["dp"]``.
 
     ``mesh``: a mesh with dims named "dp" and "tp", or a dict of those two meshes.
 
@@ -169,7 +169,9 @@ def train_against_torch_fsdp2(theirs, models, backends, tokens_for_step, steps: 
     parameters equal FSDP2's bitwise; compiled runs make one graph, no break and no
     recompile.
     """
-    runs = [model if backend is None else torch.compile(model, backend=backend) for model, backend in zip(models, backends)]
+    runs = [
+        model if backend is None else torch.compile(model, backend=backend) for model, backend in zip(models, backends)
+    ]
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, *models)]
     clear_compilation_metrics()
     counters.clear()

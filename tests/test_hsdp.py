@@ -38,9 +38,11 @@ def _hsdp_worker(rank, world_size, shape, backends):
     theirs, _ = build_sharded_llama(CONFIG, shard=functools.partial(torch_fully_shard, mesh=mesh))
     models = [build_sharded_llama(CONFIG, shard=functools.partial(fully_shard, mesh=mesh))[0] for _ in backends]
     replica = rank // shape[1]  # the replicas train on different rows of the global batch
-    train_against_torch_fsdp2(
-        theirs, models, backends, lambda step: global_batch(step, shape[0], 2, 8, CONFIG.vocab_size)[2 * replica : 2 * replica + 2]
-    )
+
+    def tokens_for_step(step):
+        return global_batch(step, shape[0], 2, 8, CONFIG.vocab_size)[2 * replica : 2 * replica + 2]
+
+    train_against_torch_fsdp2(theirs, models, backends, tokens_for_step)
     assert all(param.placements == (Replicate(), Shard(0)) for model in models for param in model.parameters())
 
 

@@ -79,7 +79,8 @@ def test_compiled_backward_gathers_over_the_smaller_group(shape, size):
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
 
     def gathered_over(graph):
-        return sorted(node.args[1] for node in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default))
+        gathers = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+        return sorted(node.args[1] for node in gathers)
 
     assert gathered_over(forward.graph) == [shape[-1]] * (CONFIG.n_layers + 1)
     assert gathered_over(backward.graph) == [size] * CONFIG.n_layers

@@ -124,7 +124,8 @@ def test_unsupported_tensor_parallel_placements_name_the_parameter_and_the_fix()
             fully_shard(partial, mesh=mesh["dp"])
         other_root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         elsewhere = torch.nn.Linear(4, 4)
-        elsewhere.weight = torch.nn.Parameter(distribute_tensor(elsewhere.weight.detach(), other_root["tp"], [Replicate()]))
+        replicated = distribute_tensor(elsewhere.weight.detach(), other_root["tp"], [Replicate()])
+        elsewhere.weight = torch.nn.Parameter(replicated)
         with pytest.raises(ValueError, match=r"parameter 'weight' is a DTensor on the mesh \('tp',\).*Slice both"):
             fully_shard(elsewhere, mesh=mesh["dp"])
 
@@ -160,7 +161,8 @@ def _spmd_model(mesh, shard, dp_mesh_dims):
     data_parallel = [Replicate()] * (mesh.ndim - 1)
     for block in model.blocks:
         for linear, placement in ((block.w1, Shard(0)), (block.w2, Shard(1))):
-            linear.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [*data_parallel, placement]))
+            weight = distribute_tensor(linear.weight.detach(), mesh, [*data_parallel, placement])
+            linear.weight = torch.nn.Parameter(weight)
     for name in ("weight", "bias"):
         value = getattr(model.norm, name).detach()
         setattr(model.norm, name, torch.nn.Parameter(distribute_tensor(value, mesh, [*data_parallel, Replicate()])))
@@ -215,10 +217,12 @@ def test_dp_mesh_dims_errors_name_the_parameter_and_the_fix():
 
     with FakeProcessGroup(4):
         mesh = _mesh((2, 2))
-        with pytest.raises(ValueError, match=r"fully_shard\(Linear\): with dp_mesh_dims every parameter .*'weight' is a plain"):
+        plain = r"fully_shard\(Linear\): with dp_mesh_dims every parameter .*'weight' is a plain"
+        with pytest.raises(ValueError, match=plain):
             fully_shard(torch.nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
         sharded_on_dp = torch.nn.Linear(4, 4, bias=False)
-        sharded_on_dp.weight = torch.nn.Parameter(distribute_tensor(sharded_on_dp.weight.detach(), mesh, [Shard(0), Replicate()]))
+        weight = distribute_tensor(sharded_on_dp.weight.detach(), mesh, [Shard(0), Replicate()])
+        sharded_on_dp.weight = torch.nn.Parameter(weight)
         with pytest.raises(ValueError, match=r"parameter 'weight' has Shard\(dim=0\) on the data-parallel dim 'dp'"):
             fully_shard(sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
         with pytest.raises(NotImplementedError, match=r"dp_mesh_dims.shard=\('dp', 'tp'\) names several mesh dims"):
