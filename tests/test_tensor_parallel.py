@@ -5,12 +5,14 @@ Against torch FSDP2 on the same 2-D mesh, plan and wrapping: placements (FSDP2's
 parameter] in compile_shard._param), collectives, gradients and parameters.
 """
 
+import functools
 import math
 
 import pytest
 import torch
 from torch._dynamo.utils import clear_compilation_metrics, counters
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -43,11 +45,14 @@ def _mesh(shape):
     return {"dp": world["replicate", "shard"], "tp": world["tp"]}
 
 
-def _parity_worker(rank, world_size, shape, backends):
+def _parity_worker(rank, world_size, shape, backends, mp_policy):
     """Each backend's compile_shard model against torch FSDP2: placements, gradients and parameters bitwise."""
     mesh = _mesh(shape)
-    theirs = build_tensor_parallel_llama(CONFIG, mesh, shard=torch_fully_shard)
-    models = [build_tensor_parallel_llama(CONFIG, mesh) for _ in backends]
+    theirs = build_tensor_parallel_llama(CONFIG, mesh, shard=functools.partial(torch_fully_shard, mp_policy=mp_policy))
+    models = [
+        build_tensor_parallel_llama(CONFIG, mesh, shard=functools.partial(fully_shard, mp_policy=mp_policy))
+        for _ in backends
+    ]
     data_parallel_rank = rank // shape[-1]  # the TP ranks of one data-parallel rank read the same rows
 
     def tokens_for_step(step):
@@ -60,16 +65,25 @@ def _parity_worker(rank, world_size, shape, backends):
         assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0))
 
 
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 # (1, 2): tensor parallelism alone, FSDP over groups of one rank; (2, 1): FSDP alone on
 # DTensor parameters of a TP mesh of one; (2, 2): both, on 4 processes; (2, 1, 2): HSDP
-# (two replicas of a shard group of one) beside TP, on 4 processes.
+# (two replicas of a shard group of one) beside TP, on 4 processes, in bf16 with fp32
+# reductions, as torchtitan trains.
 @pytest.mark.parametrize(
-    "shape, backends",
-    [((1, 2), (None, "aot_eager")), ((2, 1), (None,)), ((2, 2), (None, "aot_eager")), ((2, 1, 2), (None,))],
-    ids=["1x2", "2x1", "2x2", "hsdp_2x1x2"],
+    "shape, backends, mp_policy",
+    [
+        ((1, 2), (None, "aot_eager"), MixedPrecisionPolicy()),
+        ((2, 1), (None,), MixedPrecisionPolicy()),
+        ((2, 2), (None, "aot_eager"), MixedPrecisionPolicy()),
+        ((2, 1, 2), (None,), BF16),
+    ],
+    ids=["1x2", "2x1", "2x2", "hsdp_2x1x2_bf16"],
 )
-def test_tensor_parallel_fsdp_matches_torch_fsdp2(shape, backends):
-    run_gloo(_parity_worker, math.prod(shape), shape, backends)
+def test_tensor_parallel_fsdp_matches_torch_fsdp2(shape, backends, mp_policy):
+    run_gloo(_parity_worker, math.prod(shape), shape, backends, mp_policy)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4)], ids=["2x4", "4x4"])
