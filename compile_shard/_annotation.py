@@ -58,10 +58,7 @@ class GroupAnnotation:
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:
     """The annotation of the group ``node`` belongs to, if any."""
     stored = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
-    if stored is None:
-        return None
-    reshard_group = stored.get("reshard_group")
-    return GroupAnnotation(**{**stored, "reshard_group": None if reshard_group is None else tuple(reshard_group)})
+    return None if stored is None else GroupAnnotation(**stored)
 
 
 def write_group_annotation(node: fx.Node, annotation: GroupAnnotation) -> None:

@@ -791,7 +791,8 @@ def fully_shard(
     gradients in backward. ``reshard_after_forward`` frees the unsharded parameters
     after forward and gathers them again before backward; ``None`` (the default)
     means True except for the root module, as in FSDP2 (an int is FSDP2's group size
-    to reshard to: the world size and 1 are supported). A list of modules forms one
+    to reshard to: 1 is False, the shard group's size True, another factor a smaller
+    group the parameters stay sharded over until backward). A list of modules forms one
     group, unsharded until each of them has run its forward. Parameters that are
     DTensors on a tensor-parallel mesh (after ``parallelize_module``) are sharded over
     ``mesh`` beside it, as in FSDP2; with ``dp_mesh_dims`` (torch's
@@ -805,21 +806,21 @@ def fully_shard(
     label = "+".join(_label(m) for m in modules)
     _check_unsupported_arguments(label, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else _default_mesh()
-    spmd_mesh, spmd_shard_dims = None, None
+    spmd_mesh, spmd_data_parallel_dims = None, ()
     if dp_mesh_dims is None:
         _check_mesh(label, mesh, _tensor_parallel_dims(modules))
     else:
-        spmd_mesh, spmd_shard_dims = mesh, _data_parallel_dims(label, mesh, dp_mesh_dims)
+        spmd_mesh, spmd_data_parallel_dims = mesh, _data_parallel_dims(label, mesh, dp_mesh_dims)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(
                 f"fully_shard({label}): reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
             )
-        dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_shard_dims]
+        dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_data_parallel_dims]
         mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
     reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
-    reshard_group = None
+    reshard_size = None  # of a smaller group to reshard to
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        reshard_group, reshard_after_forward = _reshard_group(mesh, reshard_after_forward), True
+        reshard_size, reshard_after_forward = reshard_after_forward, True
     ignored = {id(param) for param in ignored_params or ()}
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
     named: dict[str, nn.Parameter] = {}
@@ -833,13 +834,13 @@ def fully_shard(
             usages.setdefault(param, []).extend(param_usages)
     if spmd_mesh is None:
         _check_tensor_parallel_params(label, mesh, named)
-        if reshard_group is not None and any(isinstance(param, DTensor) for param in named.values()):
+        if reshard_size is not None and any(isinstance(param, DTensor) for param in named.values()):
             raise NotImplementedError(
-                f"fully_shard({label}): resharding to a smaller group (reshard_after_forward={reshard_group.size}) is "
+                f"fully_shard({label}): resharding to a smaller group (reshard_after_forward={reshard_size}) is "
                 "not supported for DTensor (tensor-parallel) parameters, as in torch FSDP2; pass True or False"
             )
     else:
-        _check_spmd_params(label, spmd_mesh, named, spmd_shard_dims)
+        _check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_trainable_dtypes(label, named)
     for fqn, param in named.items():
@@ -852,7 +853,7 @@ def fully_shard(
     group = None
     if usages:
         fsdp_params = [
-            FSDPParam(param, fqn, usage, mesh, spmd_shard_dims)
+            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims)
             for (fqn, param), usage in zip(named.items(), usages.values())
         ]
         group = FSDPParamGroup(
@@ -862,7 +863,7 @@ def fully_shard(
             reshard_after_forward=reshard_after_forward is not False,
             forwards_per_iteration=len(modules),
             mp_policy=mp_policy,
-            reshard_group=reshard_group,
+            reshard_group=None if reshard_size is None else _reshard_group(mesh, reshard_size),
         )
     install()  # the pass suite, for torch.compile of this model
     state = FSDPState(modules, mesh, group, reshard_after_forward, mp_policy)

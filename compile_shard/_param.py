@@ -163,10 +163,10 @@ class FSDPParam:
         fqn: str,
         usages: list[ParamUsage],
         mesh: DeviceMesh,
-        spmd_shard_dims: tuple[int, ...] | None = None,
+        spmd_data_parallel_dims: tuple[int, ...] = (),
     ):
-        """``mesh``: the data-parallel mesh. ``spmd_shard_dims``: for ``dp_mesh_dims``, the data-parallel dims of the
-        parameter's own (SPMD) mesh, shard dim last."""
+        """``mesh``: the data-parallel mesh. ``spmd_data_parallel_dims``: with ``dp_mesh_dims``, the data-parallel
+        dims of the parameter's own (SPMD) mesh, the shard dim last."""
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -179,13 +179,13 @@ class FSDPParam:
         # A DTensor parameter's own layout, which the unsharded parameter takes again
         # ([Note: sharding a tensor-parallel parameter]).
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
-        self.spmd_data_parallel_dims = spmd_shard_dims or ()
+        self.spmd_data_parallel_dims = spmd_data_parallel_dims
         if self.tp_spec is None:
             self.sharded_mesh, self.placements = mesh, shard_placements(mesh)
-        elif spmd_shard_dims is None:
+        elif not spmd_data_parallel_dims:
             self.sharded_mesh, self.placements = tensor_parallel_layout(mesh, self.tp_spec)
         else:
-            self.sharded_mesh, self.placements = spmd_layout(self.tp_spec, spmd_shard_dims[-1])
+            self.sharded_mesh, self.placements = spmd_layout(self.tp_spec, spmd_data_parallel_dims[-1])
         data = param if self.tp_spec is None else param._local_tensor
         self.world_size = mesh.size(-1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)

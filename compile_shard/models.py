@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LlamaConfig", "Llama", "TransformerBlock", "tensor_parallel_plan"]
@@ -125,15 +126,13 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def tensor_parallel_plan() -> dict:
+def tensor_parallel_plan() -> dict[str, ParallelStyle]:
     """Megatron's tensor-parallel plan for a ``TransformerBlock``, for ``parallelize_module(block, tp_mesh, plan)``.
 
     The attention's query, key and value projections and the feed-forward's ``w1`` and
     ``w3`` are split by output columns, ``wo`` and ``w2`` by input rows, so each block
     all-reduces twice in forward; the norms stay replicated.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {
         **{f"attention.{name}": ColwiseParallel() for name in ("wq", "wk", "wv")},
         "attention.wo": RowwiseParallel(),
