@@ -53,6 +53,9 @@ class GroupAnnotation:
     # FSDP2's reshard_after_forward=<int>: (size, rank among them, process group name) of
     # the smaller group backward gathers over ([Note: resharding to a smaller group]).
     reshard_group: tuple[int, int, str] | None = None
+    # FSDP2's set_reduce_scatter_unused_params: an unused parameter gets a zero gradient
+    # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
+    reduce_scatter_unused_params: bool = False
 
 
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:

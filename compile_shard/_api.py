@@ -405,13 +405,17 @@ class FSDPModule(TorchFSDPModule):
             group.set_gradient_reduction(group.gradient_divide_factor, bool(enable))
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """Only ``True``: a group's reduce-scatter always carries zeros for parameters the forward left unused."""
-        if reduce_scatter_unused_params is not True:
-            raise NotImplementedError(
-                "set_reduce_scatter_unused_params(False): compile_shard reduce-scatters a group's gradients as "
-                "one buffer, with zeros for the parameters the forward did not use, so they get a zero "
-                "gradient where FSDP2's default leaves .grad None"
-            )
+        """Sets whether a parameter the forward left unused gets a zero gradient (True) or none (False, the default).
+
+        FSDP2's semantics, eager and compiled ([Note: unused parameters] in
+        ``compile_shard.passes.unused_params``): by default such a parameter keeps its
+        ``.grad``, so the optimizer skips it. Ranks that use different parameters (for
+        example a mixture of experts) need True, as in FSDP2; eager backward raises
+        where it sees that another rank used a parameter this one did not. A compiled
+        model recompiles for a new setting.
+        """
+        for group in self._groups(recurse):
+            group.set_reduce_scatter_unused_params(bool(reduce_scatter_unused_params))
 
     # Prefetching -----------------------------------------------------------------------
 

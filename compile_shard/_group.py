@@ -269,6 +269,9 @@ class FSDPParamGroup:
         # all-reducing them ([Note: HSDP reduction] in compile_shard.ops).
         self.requires_all_reduce = True
         self.partial_reduce_output: torch.Tensor | None = None
+        # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
+        # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
+        self.reduce_scatter_unused_params = False
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -318,6 +321,11 @@ class FSDPParamGroup:
 
     def _takes_gradients(self, part: AllGatherPart) -> bool:
         return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
+        self.reduce_scatter_unused_params = reduce_scatter_unused_params
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.used_since_reduction = None
 
     def _part_taking_gradients(self) -> AllGatherPart | None:
         return next((part for part in self.all_gather_parts if self._takes_gradients(part)), None)
@@ -431,6 +439,7 @@ class FSDPParamGroup:
             reshard_group=None
             if self.reshard_group is None
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
+            reduce_scatter_unused_params=self.reduce_scatter_unused_params,
         )
 
     # Lifecycle --------------------------------------------------------------------
@@ -445,6 +454,10 @@ class FSDPParamGroup:
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
+            if not self.reduce_scatter_unused_params:
+                for fsdp_param, tensor in zip(self.fsdp_params, tensors):
+                    if tensor.requires_grad:
+                        fsdp_param.watch_use(tensor)
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
         elif self.unsharded.is_freed:

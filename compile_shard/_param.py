@@ -205,6 +205,9 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
         self.unsharded_param: torch.Tensor | None = None
+        # Eager only: whether backward reached an unsharded parameter since the last sharded
+        # gradient, None where nothing watches ([Note: unused parameters] in passes.unused_params).
+        self.used_since_reduction: bool | None = None
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
@@ -223,9 +226,28 @@ class FSDPParam:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient."""
         return self.shard if self.sharded_param.requires_grad else self.shard.detach()
 
+    def watch_use(self, unsharded_param: torch.Tensor) -> None:
+        """Records whether backward reaches ``unsharded_param`` (eager: [Note: unused parameters])."""
+        if self.used_since_reduction is None:
+            self.used_since_reduction = False
+        unsharded_param.register_hook(self._mark_used)
+
+    def _mark_used(self, grad: torch.Tensor) -> None:
+        self.used_since_reduction = True
+
     def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         grad, shard.grad = shard.grad, None
         if grad is None:  # a compiled backward's None for a parameter frozen in the graph
+            return
+        used, self.used_since_reduction = self.used_since_reduction, None
+        if used is False:
+            if grad.any():
+                raise RuntimeError(
+                    f"fully_shard: parameter {self.fqn!r} was not used by this rank's forward, yet its reduced "
+                    "gradient is not zero: another rank used it. As in FSDP2, every rank must use the same "
+                    "parameters, or call set_reduce_scatter_unused_params(True) on the module so that an "
+                    "unused parameter gets a zero gradient"
+                )
             return
         param = self.sharded_param
         if param.grad is None:

@@ -5,16 +5,18 @@ sharded with ``fully_shard``, right before the partitioner splits it. Each is na
 once: its function, its module, its switch in ``settings`` and its dump file.
 
 1. ``refunctionalize``: remove traced storage mutations.
-2. ``compile_regions``: with ``settings.compile_regions``, backward
+2. ``unused_params``: a parameter the forward left unused gets no gradient (FSDP2's
+   default; a semantic pass: switched off, such a parameter gets a zero gradient).
+3. ``compile_regions``: with ``settings.compile_regions``, backward
    reads a block region's parameter arguments, not the region's copies of them.
-3. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
-4. ``reshard``: tag each group's all-gather chain for recompute or for saving (and
+4. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
+5. ``reshard``: tag each group's all-gather chain for recompute or for saving (and
    give a group resharded to a smaller group its backward gather from a saved chunk).
-5. ``save_attention``: save zero-dropout attention that a checkpoint region would
+6. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
-6. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-7. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
-8. ``place``: move each group's all-gather next to the forward's first use.
+7. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
+8. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
+9. ``place``: move each group's all-gather next to the forward's first use.
 
 ``verify`` checks the graph invariants after each of them and names the pass that
 broke one (``settings.verify``).
@@ -51,6 +53,7 @@ from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
 from .save_attention import save_attention
+from .unused_params import unused_params
 from .settings import PassSettings, overridden, settings
 from .verify import GraphInvariantError, verify, verify_forward
 
@@ -77,6 +80,7 @@ __all__ = [
     "run_suite",
     "save_attention",
     "settings",
+    "unused_params",
     "verify",
     "verify_forward",
     "warn_if_partial",

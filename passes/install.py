@@ -49,6 +49,7 @@ from .reshard import reshard
 from .save_attention import save_attention
 from .settings import settings
 from .simulate import simulate
+from .unused_params import unused_params
 from .verify import verify
 
 # Every pass module: a change to any of them must miss Inductor's caches.
@@ -69,6 +70,7 @@ def has_sharded_params(graph: fx.Graph) -> bool:
 #: file share the name.
 JOINT_PASSES: tuple[Callable[[fx.Graph], int], ...] = (
     refunctionalize,
+    unused_params,
     compile_regions,
     bucket,
     reshard,

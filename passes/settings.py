@@ -19,6 +19,9 @@ class PassSettings:
 
     #: Remove traced storage mutations (``fsdp.set_``, ``fsdp.resize_storage_``, copies into resized storage).
     refunctionalize: bool = True
+    #: Give a parameter the forward left unused no gradient, FSDP2's default (off: a zero
+    #: gradient); see [Note: unused parameters].
+    unused_params: bool = True
     #: Trace each sharded block (a fully_shard module with none below it) as a nested
     #: compile region that every block with the same signature reuses: the block is
     #: compiled once instead of once per layer. Needs Inductor (see [Note: region

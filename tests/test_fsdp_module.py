@@ -175,10 +175,8 @@ def _forward_method_worker(rank, world_size, backend):
     for (name, ours), theirs in zip(models[0].named_parameters(), models[1].parameters()):
         if name.startswith("proj"):
             torch.testing.assert_close(ours.grad.full_tensor(), theirs.grad.full_tensor(), rtol=0, atol=atol, msg=name)
-        else:
-            # Unused by ``encode``: torch FSDP2 leaves .grad None, compile_shard's one
-            # reduce-scatter per group gives zeros (docs/api.md, set_reduce_scatter_unused_params).
-            assert theirs.grad is None and not ours.grad.full_tensor().any(), name
+        else:  # unused by ``encode``
+            assert theirs.grad is None and ours.grad is None, name
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
@@ -402,7 +400,6 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     "call, message",
     [
         (lambda m: m.set_reshard_after_backward(False), "frees the unsharded parameters"),
-        (lambda m: m.set_reduce_scatter_unused_params(False), "zero gradient"),
         (lambda m: m.set_allocate_memory_from_process_group_for_comm(True), "ordinary tensors"),
         (lambda m: m.set_custom_all_gather(object()), "all_gather_into"),
         (lambda m: m.set_custom_reduce_scatter(object()), "reduce_scatter_grad"),
@@ -412,7 +409,6 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     ],
     ids=[
         "reshard_after_backward",
-        "reduce_scatter_unused_params",
         "allocate_memory_from_process_group",
         "custom_all_gather",
         "custom_reduce_scatter",
@@ -430,5 +426,4 @@ def test_methods_not_supported_yet_raise(fake_pg, call, message):
 def test_defaults_of_unsupported_knobs_are_accepted(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
     model.set_reshard_after_backward(True)
-    model.set_reduce_scatter_unused_params(True)
     model.set_allocate_memory_from_process_group_for_comm(False)

@@ -9,8 +9,16 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
-from compile_shard.passes import GraphInvariantError, lower, refunctionalize, reshard, verify, verify_forward
-from graph_utils import annotate_group, c10d, fsdp, op_counts, trace
+from compile_shard.passes import (
+    GraphInvariantError,
+    lower,
+    refunctionalize,
+    reshard,
+    unused_params,
+    verify,
+    verify_forward,
+)
+from graph_utils import annotate_group, c10d, fsdp, make_annotation, op_counts, trace
 
 aten = torch.ops.aten
 WORLD, GROUP = 2, "0"
@@ -451,6 +459,68 @@ def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
     from dist_utils import run_gloo
 
     run_gloo(_gloo_lowering_computes_the_same, world_size)
+
+
+# unused_params ---------------------------------------------------------------------
+
+
+def _group_backward(weight_piece, bias_piece, accumulated_grad=None):
+    """What the all-gather's backward traces for ``_gather_and_use``'s group: reduce, split into shard gradients."""
+    unsharded_grad = torch.cat([weight_piece, bias_piece], 1).view(-1)
+    if accumulated_grad is not None:
+        unsharded_grad = unsharded_grad + accumulated_grad
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, WORLD, GROUP) / 2
+    weight_grad, bias_grad = sharded_grad.split([12, 2])
+    return weight_grad[:8].view(2, 4), bias_grad[:1].view(1)
+
+
+def _unused_bias_joint(annotation=make_annotation("block"), accumulated=False):
+    """The bias unused: autograd's zeros for its rank-major piece of the reduction input."""
+
+    def fn(weight_grad, *accumulated_grad):
+        bias_piece = torch.zeros(WORLD, 2)
+        return _group_backward(weight_grad.view(WORLD, -1), bias_piece, *accumulated_grad)
+
+    inputs = (torch.randn(6, 4), *([torch.randn(WORLD * 14)] if accumulated else []))
+    graph_module = trace(fn, *inputs)
+    if annotation is not None:
+        (reduction,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
+        write_group_annotation(reduction, annotation)
+    return graph_module
+
+
+def _every_parameter_used(weight_grad, bias_grad):
+    return _group_backward(weight_grad.view(WORLD, -1), bias_grad.view(WORLD, -1))
+
+
+def _outputs(graph_module):
+    return graph_module.graph.output_node().args[0]
+
+
+def test_unused_params_gives_an_unused_parameter_no_gradient():
+    graph_module = _unused_bias_joint()
+    weight_grad = _outputs(graph_module)[0]
+    assert unused_params(graph_module.graph) == 1
+    assert _outputs(graph_module) == (weight_grad, None)
+    assert not graph_module.graph.find_nodes(op="call_function", target=aten.slice.Tensor)[1:]
+    verify(graph_module.graph)
+
+
+@pytest.mark.parametrize(
+    "joint",
+    [
+        lambda: _unused_bias_joint(make_annotation("block", reduce_scatter_unused_params=True)),
+        lambda: _unused_bias_joint(annotation=None),
+        lambda: _unused_bias_joint(accumulated=True),
+        lambda: trace(_every_parameter_used, torch.randn(6, 4), torch.randn(4)),
+    ],
+    ids=["reduce_scatter_unused_params", "unannotated", "accumulated_without_sync", "every_parameter_used"],
+)
+def test_unused_params_leaves_gradients_that_may_be_nonzero_or_were_asked_for(joint):
+    graph_module = joint()
+    before = _code(graph_module)
+    assert unused_params(graph_module.graph) == 0
+    assert _code(graph_module) == before and None not in _outputs(graph_module)
 
 
 # copy_out --------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""unused_params: a parameter the forward left unused gets no gradient, FSDP2's default.
+
+[Note: unused parameters]
+FSDP2 reduces only the parameters whose unsharded gradient autograd computed; the
+others keep their ``.grad`` (``None`` before the first step), so an optimizer such
+as AdamW skips them instead of decaying them. ``set_reduce_scatter_unused_params(True)``
+gives them a zero gradient instead (for ranks that use different parameters).
+
+compile_shard reduces a group's gradients as one buffer laid out like its all-gather
+output, so an unused parameter's part of the reduction input is zeros, not absent,
+and the reduction gives it a zero gradient. Both paths then withhold that gradient:
+
+- eager: each unsharded parameter records, with a tensor hook, whether backward
+  reached it; the sharded gradient of one that was not reached is dropped
+  (``FSDPParam.deliver_sharded_grad``). That gradient is zero unless another rank
+  used the parameter, which FSDP2 cannot reduce either: it raises there, naming the
+  parameter and ``set_reduce_scatter_unused_params(True)``.
+- compiled: autograd fills an unused parameter's part of the reduction input with a
+  ``zeros`` node of the rank-major piece's shape, which no used gradient is. This
+  pass finds such pieces and returns ``None`` as that parameter's gradient, so
+  AOTAutograd's backward gives it none. Ranks whose graphs use different parameters
+  are not detected here: as in FSDP2, they need ``set_reduce_scatter_unused_params(True)``.
+
+The zeros still travel in the reduce-scatter, where FSDP2 leaves them out: the bytes
+differ, the values do not. A reduction that adds a gradient accumulated without sync
+reads a sum, not a piece of zeros, so it is left alone: a parameter no micro-batch
+used gets a zero gradient there.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from compile_shard._annotation import group_annotation
+
+from ._graph import VIEWS, c10d, cast_dtype, fsdp
+
+aten = torch.ops.aten
+_ZEROS = (aten.zeros.default, aten.full.default)
+# What lies between a reduce-scatter's output and the split into sharded gradients (beside
+# the cast back to the shards' dtype): the post-division, and HSDP's all-reduce, its wait
+# and the partial reduction added before it.
+_ELEMENTWISE = (aten.div.Tensor, aten.add.Tensor, c10d.all_reduce.default, c10d.wait_tensor.default)
+
+
+def _rank_major_pieces(unsharded_grad: fx.Node) -> list[fx.Node] | None:
+    """The ``[world_size, padded_numel]`` pieces a reduction input concatenates, one per parameter, or None."""
+    node = unsharded_grad
+    while node.op == "call_function" and (cast_dtype(node) is not None or node.target is aten.mul.Tensor):
+        node = node.args[0]  # the mixed-precision cast, the pre-multiplication
+    if node.target not in VIEWS or node.meta["val"].dim() != 1:
+        return None
+    concatenated = node.args[0]
+    if concatenated.target is not aten.cat.default or concatenated.args[1:] != (1,):
+        return None
+    return list(concatenated.args[0])
+
+
+def _is_zeros(piece: fx.Node) -> bool:
+    if piece.target not in _ZEROS or piece.meta["val"].dim() != 2:
+        return False
+    return piece.target is aten.zeros.default or piece.args[1] == 0
+
+
+def _sharded_grads_split(reduce_scatter: fx.Node) -> fx.Node | None:
+    """The ``split_with_sizes`` that cuts the reduced gradient into the shards' gradients."""
+    node = reduce_scatter
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is aten.split_with_sizes.default:
+            return user
+        if user.target not in _ELEMENTWISE and cast_dtype(user) is None:
+            return None
+        node = user
+    return None
+
+
+def _one_piece_per_shard(pieces: list[fx.Node], split: fx.Node) -> bool:
+    """Whether piece ``i`` of the reduction input is what split ``i`` of its output reduces."""
+    sizes = split.args[1]
+    return len(pieces) == len(sizes) and all(
+        isinstance(size, int) and piece.meta["val"].shape[1:] == (size,) for piece, size in zip(pieces, sizes)
+    )
+
+
+def _graph_output_of(getitem: fx.Node, output: fx.Node) -> list[fx.Node] | None:
+    """The chain from ``getitem`` to the graph output (slice, view, cast), each node read only by the next."""
+    chain = [getitem]
+    while True:
+        users = list(chain[-1].users)
+        if users == [output]:
+            return chain
+        if len(users) != 1:
+            return None
+        chain.append(users[0])
+
+
+def unused_params(graph: fx.Graph) -> int:
+    """Withholds the gradient of each parameter a group's forward left unused; returns how many."""
+    output = graph.output_node()
+    withheld = 0
+    for reduce_scatter in graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default):
+        annotation = group_annotation(reduce_scatter)
+        if annotation is None or annotation.reduce_scatter_unused_params:
+            continue
+        pieces = _rank_major_pieces(reduce_scatter.args[0])
+        split = _sharded_grads_split(reduce_scatter)
+        if pieces is None or split is None or not _one_piece_per_shard(pieces, split):
+            continue
+        for getitem in list(split.users):
+            if getitem.target is not operator.getitem or not _is_zeros(pieces[getitem.args[1]]):
+                continue
+            chain = _graph_output_of(getitem, output)
+            if chain is None:
+                continue
+            output.args = (_replaced(output.args[0], chain[-1]),)
+            for node in reversed(chain):
+                graph.erase_node(node)
+            withheld += 1
+    return withheld
+
+
+def _replaced(outputs: list | tuple, gradient: fx.Node) -> list | tuple:
+    return type(outputs)(None if value is gradient else value for value in outputs)
