@@ -56,6 +56,11 @@ class GroupAnnotation:
     # FSDP2's set_reduce_scatter_unused_params: an unused parameter gets a zero gradient
     # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
     reduce_scatter_unused_params: bool = False
+    # FSDP2's set_reshard_after_backward and set_all_reduce_hook, which only eager mode
+    # implements: a traced graph with False, or with a hook, is refused
+    # (``passes.install``'s joint pass).
+    reshard_after_backward: bool = True
+    all_reduce_hook: bool = False
 
 
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:

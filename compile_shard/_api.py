@@ -333,14 +333,24 @@ class FSDPModule(TorchFSDPModule):
                 state.group.reshard_group = None  # FSDP2: a bool reshards over the whole shard group
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Only ``True`` (the default): the unsharded parameters are always freed after backward."""
-        if reshard_after_backward is not True:
-            raise NotImplementedError(
-                "set_reshard_after_backward(False): compile_shard frees the unsharded parameters after every "
-                "backward, and the next forward gathers them again. Keeping them across gradient-accumulation "
-                "micro-batches is not supported yet; use set_requires_gradient_sync(False) to skip the "
-                "reduce-scatters instead"
-            )
+        """Sets whether backward frees the unsharded parameters (FSDP2's semantics; eager mode only).
+
+        False keeps them after backward, and the next forward computes with them
+        instead of all-gathering: fewer all-gathers between gradient-accumulation
+        micro-batches, for the unsharded parameters' memory. As in FSDP2 they are not
+        refreshed, so set it back to True for the last micro-batch (or call
+        ``reshard()``) before the optimizer step. A compiled graph all-gathers in every
+        forward, so compiling a module with False raises ([Note: unsharded parameters
+        kept after backward] in compile_shard.ops).
+        """
+        for group in self._groups(recurse):
+            if not reshard_after_backward and group.reshard_group is not None:
+                raise NotImplementedError(
+                    f"fully_shard({group.module_name!r}): set_reshard_after_backward(False) with "
+                    f"reshard_after_forward={group.reshard_group.size} is not supported; reshard after forward "
+                    "over the whole group (True) to keep the unsharded parameters between micro-batches"
+                )
+            group.reshard_after_backward = bool(reshard_after_backward)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Sets whether backward reduce-scatters the gradients (FSDP1's ``no_sync``), eager and compiled.
@@ -469,11 +479,20 @@ class FSDPModule(TorchFSDPModule):
             "cannot be traced into it"
         )
 
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        raise NotImplementedError(
-            "set_all_reduce_hook is not supported yet: the reduced gradient is not exposed before it lands in "
-            "the sharded parameters' .grad; a post-accumulate-grad hook on the sharded parameters sees it there"
-        )
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
+        """Calls ``hook(reduced_gradient)`` in every backward of this module's group (not recursive; eager only).
+
+        FSDP2's semantics: the hook gets the group's reduce-scatter output (after
+        HSDP's all-reduce), flat and padded, in the reduction dtype, and may change it
+        in place before the post-division and the copy into ``.grad`` ([Note: the
+        all-reduce hook] in compile_shard.ops). ``stream`` is accepted except with HSDP
+        (FSDP2's ``ValueError``); the hook runs on the current stream. Compiling a
+        module with a hook raises.
+        """
+        for group in self._groups():
+            if stream is not None and group.replicate_group_name is not None:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.all_reduce_hook = hook
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         raise NotImplementedError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +273,9 @@ class FSDPParamGroup:
         # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
         # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
         self.reduce_scatter_unused_params = False
+        # FSDP2's set_all_reduce_hook, eager only: called on the reduced gradient before
+        # the post-division ([Note: the all-reduce hook] in compile_shard.ops).
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -288,6 +292,11 @@ class FSDPParamGroup:
         # parameter (an embedding's gradient needs only its indices): eager backward
         # then gathers nothing. Compiled graphs gather in backward only what it reads.
         self.unshard_in_backward = True
+        # FSDP2's set_reshard_after_backward: False keeps the unsharded parameters after
+        # backward, and the next forward computes with them instead of all-gathering
+        # ([Note: unsharded parameters kept after backward] in compile_shard.ops).
+        self.reshard_after_backward = True
+        self.kept_after_backward: UnshardedParams | None = None
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
@@ -388,6 +397,23 @@ class FSDPParamGroup:
             )
         return self._copy_out(all_gather_outputs), all_gather_outputs
 
+    def _reuse_kept(self, kept: UnshardedParams) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The unsharded parameters kept after the last backward, as a new all-gather's output for autograd."""
+        unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
+        outputs = []
+        for part in self.all_gather_parts:
+            tensors = [kept.tensors[index].detach() for index in part.indices]
+            if torch.is_grad_enabled() and self._takes_gradients(part):
+                shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
+                options = self._all_gather_options(part)
+                tensors = ops.all_gather_kept(
+                    tensors, shards, part.padded_numels, self.world_size, self.group_name, *options
+                )
+            outputs.append(tensors[0])
+            for index, tensor in zip(part.indices, tensors):
+                unsharded[index] = tensor
+        return unsharded, outputs
+
     def _all_gather_post_forward_chunks(self, post_forward_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """The unsharded parameters, gathered back over the smaller group ([Note: resharding to a smaller group])."""
         reshard_group = self.reshard_group
@@ -440,6 +466,8 @@ class FSDPParamGroup:
             if self.reshard_group is None
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
             reduce_scatter_unused_params=self.reduce_scatter_unused_params,
+            reshard_after_backward=self.reshard_after_backward,
+            all_reduce_hook=self.all_reduce_hook is not None,
         )
 
     # Lifecycle --------------------------------------------------------------------
@@ -448,12 +476,20 @@ class FSDPParamGroup:
         if self.unsharded is not None and self._needs_autograd_graph(self.unsharded):
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
-            tensors, all_gather_outputs = self._all_gather()
+            if self.kept_after_backward is not None:
+                tensors, all_gather_outputs = self._reuse_kept(self.kept_after_backward)
+                self.kept_after_backward = None
+            else:
+                tensors, all_gather_outputs = self._all_gather()
             post_forward_chunks = None
             if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
+            if self.all_reduce_hook is not None:
+                for output in all_gather_outputs:
+                    if output.grad_fn is not None:
+                        output.grad_fn.all_reduce_hook = self.all_reduce_hook
             if not self.reduce_scatter_unused_params:
                 for fsdp_param, tensor in zip(self.fsdp_params, tensors):
                     if tensor.requires_grad:
@@ -476,6 +512,9 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
+        if self.kept_after_backward is not None:
+            self.kept_after_backward.free()
+            self.kept_after_backward = None
         if self.unsharded is not None:
             self.unsharded.free()
             self.unsharded = None
@@ -606,7 +645,10 @@ class FSDPParamGroup:
 
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
-        unsharded.free()
+        if not self.reshard_after_backward and not unsharded.is_freed and self.kept_after_backward is None:
+            self.kept_after_backward = unsharded
+        else:
+            unsharded.free()
         unsharded.post_forward_chunks = None
         if self.unsharded is unsharded:
             self.unsharded = None

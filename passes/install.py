@@ -164,6 +164,28 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     return moved
 
 
+def _refuse_eager_only_settings(graph: fx.Graph) -> None:
+    """Raises for a group whose setting only eager mode implements, naming the group and what to do instead."""
+    for all_gather in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
+        annotation = group_annotation(all_gather)
+        if annotation is None:
+            continue
+        if not annotation.reshard_after_backward:
+            raise NotImplementedError(
+                f"fully_shard({annotation.name!r}): set_reshard_after_backward(False) is implemented in eager mode "
+                "only: a compiled graph all-gathers the parameters in every forward and keeps nothing across "
+                "steps. Call set_reshard_after_backward(True) before compiling, or accumulate with "
+                "set_requires_gradient_sync(False) alone"
+            )
+        if annotation.all_reduce_hook:
+            raise NotImplementedError(
+                f"fully_shard({annotation.name!r}): set_all_reduce_hook is implemented in eager mode only: a "
+                "compiled backward cannot call a Python hook between its collectives. Remove the hook "
+                "(set_all_reduce_hook(None)) before compiling, or run the hook's work on the sharded gradients "
+                "after backward"
+            )
+
+
 class _JointPass:
     """The functorch joint-graph hook: the suite, then the previously installed pass."""
 
@@ -172,6 +194,7 @@ class _JointPass:
 
     def __call__(self, graph_module: fx.GraphModule, joint_inputs):
         if has_sharded_params(graph_module.graph):
+            _refuse_eager_only_settings(graph_module.graph)
             warn_if_partial(graph_module.graph)
             run_suite(graph_module.graph)
             graph_module.recompile()

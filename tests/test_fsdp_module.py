@@ -315,6 +315,44 @@ class _Tower(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(x))))
 
 
+def _all_reduce_hook_worker(rank, world_size):
+    """A hook that records and halves each group's reduced gradient: FSDP2's calls, inputs and gradients."""
+    models, seen = [], []
+    for shard in (fully_shard, torch_fully_shard):
+        model, _ = build_sharded_llama(LlamaConfig(), shard=shard)
+        calls = {}
+
+        def hook(reduced, calls=calls, name=""):
+            calls[name] = reduced.clone()
+            reduced.mul_(0.5)
+
+        for name, module in model.named_modules():
+            if isinstance(module, TorchFSDPModule):
+                module.set_all_reduce_hook(lambda reduced, name=name, hook=hook: hook(reduced, name=name))
+        models.append(model)
+        seen.append(calls)
+    tokens = global_batch(0, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
+    for model in models:
+        lm_loss(model, tokens).backward()
+    assert seen[0].keys() == seen[1].keys() == {"", "layers.0", "layers.1"}
+    for name, reduced in seen[0].items():
+        torch.testing.assert_close(reduced, seen[1][name], rtol=0, atol=0, msg=name)
+    for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+
+
+def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see():
+    run_gloo(_all_reduce_hook_worker, 2)
+
+
+def test_compiling_a_module_with_an_all_reduce_hook_raises(fake_pg):
+    model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
+    model.layers[0].set_all_reduce_hook(lambda reduced: None)
+    tokens = torch.randint(0, LlamaConfig().vocab_size, (2, 9))
+    with pytest.raises(Exception, match=r"fully_shard\('layers.0'\): set_all_reduce_hook is implemented in eager"):
+        lm_loss(torch.compile(model, backend="aot_eager"), tokens).backward()
+
+
 def _list_worker(rank, world_size, backend):
     models, counts = [], []
     for shard in (fully_shard, torch_fully_shard):
@@ -399,20 +437,16 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda m: m.set_reshard_after_backward(False), "frees the unsharded parameters"),
         (lambda m: m.set_allocate_memory_from_process_group_for_comm(True), "ordinary tensors"),
         (lambda m: m.set_custom_all_gather(object()), "all_gather_into"),
         (lambda m: m.set_custom_reduce_scatter(object()), "reduce_scatter_grad"),
-        (lambda m: m.set_all_reduce_hook(lambda t: None), "post-accumulate-grad hook"),
         (lambda m: m.set_separate_reduce_scatter_group(), "second process group"),
         (lambda m: m.set_symm_mem_for_comm(), "NCCL"),
     ],
     ids=[
-        "reshard_after_backward",
         "allocate_memory_from_process_group",
         "custom_all_gather",
         "custom_reduce_scatter",
-        "all_reduce_hook",
         "separate_reduce_scatter_group",
         "symm_mem",
     ],
@@ -425,5 +459,4 @@ def test_methods_not_supported_yet_raise(fake_pg, call, message):
 
 def test_defaults_of_unsupported_knobs_are_accepted(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
-    model.set_reshard_after_backward(True)
     model.set_allocate_memory_from_process_group_for_comm(False)

@@ -14,22 +14,29 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from compile_shard._collectives import node_collective
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import LlamaConfig
-from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
 
 MICRO_BATCHES = 4
 CONFIG = LlamaConfig()
 GROUPS = CONFIG.n_layers + 1
 
 
-def accumulate_micro_batches(model, runnable, step, rank, world_size):
-    """One step of MICRO_BATCHES micro-batches, sync on the last only; returns the reduce-scatter count."""
+def accumulate_micro_batches(model, runnable, step, rank, world_size, keep_unsharded=False):
+    """One step of MICRO_BATCHES micro-batches, sync on the last only; returns the collectives it ran.
+
+    ``keep_unsharded``: backward keeps the unsharded parameters for the next
+    micro-batch, except after the last (FSDP2's ``set_reshard_after_backward``).
+    """
     tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
     local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
     with CollectiveCounter() as counter:
         for index, micro_batch in enumerate(local.chunk(MICRO_BATCHES)):
-            model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
+            last = index == MICRO_BATCHES - 1
+            model.set_requires_gradient_sync(last)
+            if keep_unsharded:
+                model.set_reshard_after_backward(last)
             (lm_loss(runnable, micro_batch) / MICRO_BATCHES).backward()
-    return counter.counts["reduce_scatter"]
+    return counter.counts
 
 
 def _eager_worker(rank, world_size, reshard):
@@ -37,7 +44,9 @@ def _eager_worker(rank, world_size, reshard):
     theirs, _ = build_sharded_llama(CONFIG, shard=torch_fully_shard, block_reshard=reshard)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
     for step in range(2):
-        reductions = [accumulate_micro_batches(model, model, step, rank, world_size) for model in (ours, theirs)]
+        reductions = [
+            accumulate_micro_batches(model, model, step, rank, world_size)["reduce_scatter"] for model in (ours, theirs)
+        ]
         assert reductions[0] == GROUPS, reductions
         for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
             torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
@@ -49,6 +58,38 @@ def _eager_worker(rank, world_size, reshard):
 @pytest.mark.parametrize("reshard", [None, False], ids=["reshard_default", "reshard_false"])
 def test_accumulating_without_sync_matches_torch_fsdp2(reshard):
     run_gloo(_eager_worker, 2, reshard)
+
+
+def _keep_unsharded_worker(rank, world_size):
+    for reshard in (None, False):
+        ours, _ = build_sharded_llama(CONFIG, block_reshard=reshard)
+        theirs, _ = build_sharded_llama(CONFIG, shard=torch_fully_shard, block_reshard=reshard)
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+        for step in range(2):
+            collectives = [accumulate_micro_batches(m, m, step, rank, world_size, keep_unsharded=True) for m in (ours, theirs)]
+            # The micro-batches after the first gather only what forward resharded.
+            assert collectives[0] == collectives[1], (reshard, collectives)
+            gathers_without_keeping = MICRO_BATCHES * (GROUPS if reshard is False else 2 * GROUPS - 1)
+            assert collectives[0]["all_gather"] < gathers_without_keeping
+            for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+                torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def test_keeping_unsharded_parameters_between_micro_batches_matches_torch_fsdp2():
+    """``set_reshard_after_backward(False)`` on all but the last micro-batch: FSDP2's all-gathers and gradients."""
+    run_gloo(_keep_unsharded_worker, 2)
+
+
+def test_compiling_with_unsharded_parameters_kept_after_backward_raises():
+    with FakeProcessGroup(2):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
+        model.layers[0].set_reshard_after_backward(False)
+        tokens = torch.randint(0, CONFIG.vocab_size, (2, 9))
+        with pytest.raises(Exception, match=r"fully_shard\('layers.0'\): set_reshard_after_backward\(False\)"):
+            lm_loss(torch.compile(model, backend="aot_eager"), tokens).backward()
 
 
 def _reductions_in(graph) -> int:

@@ -286,7 +286,10 @@ def _accumulation_worker(rank, world_size):
         policies = POLICIES[policy_name]
         ours, theirs = build(fully_shard, policies), build(torch_fully_shard, policies)
         for step in range(2):
-            reductions = [accumulate_micro_batches(model, model, step, rank, world_size) for model in (ours, theirs)]
+            reductions = [
+                accumulate_micro_batches(model, model, step, rank, world_size)["reduce_scatter"]
+                for model in (ours, theirs)
+            ]
             assert reductions[0] == len(ours.layers) + 1, reductions
             for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
                 what = f"{policy_name}: {name}.grad, step {step}"

@@ -10,7 +10,8 @@ One module per job; importing this package registers every op:
 
 - ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
-  ``post_forward_chunk``;
+  ``post_forward_chunk``, and ``all_gather_kept`` (eager only: ``all_gather_into``'s
+  autograd for unsharded parameters kept from an earlier all-gather);
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
   ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
 - ``storage``: ``set_``, ``resize_storage_``;
@@ -37,7 +38,13 @@ none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 """
 
 from . import transport
-from .all_gather import all_gather_into, all_gather_params_, all_gather_send_recv_, post_forward_chunk
+from .all_gather import (
+    all_gather_into,
+    all_gather_kept,
+    all_gather_params_,
+    all_gather_send_recv_,
+    post_forward_chunk,
+)
 from .backend import gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
     all_to_all_grads_,
@@ -51,6 +58,7 @@ from .storage import resize_storage_, set_
 
 __all__ = [
     "all_gather_into",
+    "all_gather_kept",
     "all_gather_params_",
     "all_gather_send_recv_",
     "post_forward_chunk",

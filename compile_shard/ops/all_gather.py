@@ -152,13 +152,23 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     layout (as here) or while building it (``reduce_scatter_input``'s ``dtype``, what
     ``lower`` emits) gives the same bits.
     """
+    shard_grads = reduce_unsharded_grad(ctx, all_gather_output_grad.contiguous())
+    # One None per other argument the call gave (the reduction's are optional).
+    return shard_grads, *[None] * (len(ctx.needs_input_grad) - 1)
+
+
+def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tensor | None]:
+    """The shards' gradients from the gradient of an all-gather output: the reduction the notes above describe.
+
+    ``ctx`` holds what ``_all_gather_into_setup_context`` records.
+    """
     options = ctx.options
-    unsharded_grad = all_gather_output_grad.contiguous()
+    no_gradients = [None] * len(ctx.shard_shapes)
     if options.reduce_dtype is not None:
         unsharded_grad = unsharded_grad.to(options.reduce_dtype)
     if not options.reduce_grads:
         options.accumulated_grad.add_(unsharded_grad)
-        return [None] * len(ctx.shard_shapes), *[None] * (len(ctx.needs_input_grad) - 1)
+        return no_gradients
     if options.accumulated_grad is not None:
         unsharded_grad = unsharded_grad + options.accumulated_grad
     if options.premul_factor != 1.0:
@@ -169,24 +179,68 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
         if not options.all_reduce_grads:
             options.partial_reduce_output.add_(sharded_grad)
-            return [None] * len(ctx.shard_shapes), *[None] * (len(ctx.needs_input_grad) - 1)
+            return no_gradients
         if options.partial_reduce_output is not None:
             sharded_grad = sharded_grad + options.partial_reduce_output
         funcol = torch.ops._c10d_functional
         reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
         sharded_grad = funcol.wait_tensor(reduced)
+    # [Note: the all-reduce hook]
+    # FSDP2's set_all_reduce_hook: a Python callable on the reduced gradient (the
+    # reduce-scatter's output, after HSDP's all-reduce), in place, before the
+    # post-division. No op argument can carry a callable, so eager mode sets it on the
+    # all-gather's autograd node, which is ``ctx``; compiled graphs refuse a group with a hook.
+    all_reduce_hook = getattr(ctx, "all_reduce_hook", None)
+    if all_reduce_hook is not None:
+        all_reduce_hook(sharded_grad)
     if options.postdivide_factor != 1.0:
         sharded_grad = sharded_grad / options.postdivide_factor
     if len(set(ctx.shard_dtypes)) == 1:
         sharded_grad = sharded_grad.to(ctx.shard_dtypes[0])
-    shard_grads = [
+    return [
         padded_grad[: shape.numel()].view(shape).to(dtype)
         for padded_grad, shape, dtype in zip(
             sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
         )
     ]
-    # One None per other argument the call gave (the reduction's are optional).
-    return shard_grads, *[None] * (len(ctx.needs_input_grad) - 1)
+
+
+class _KeptAllGather(torch.autograd.Function):
+    """``all_gather_into``'s autograd for unsharded parameters kept from an earlier all-gather (eager only).
+
+    [Note: unsharded parameters kept after backward]
+    FSDP2's ``set_reshard_after_backward(False)`` keeps a group's unsharded parameters
+    after backward, and the next forward computes with them instead of all-gathering.
+    Their autograd node belongs to the forward that gathered them, whose backward has
+    run, with that forward's reduction options. This function gives copies of them a
+    node of the next forward instead, whose backward lays their gradients out as the
+    all-gather output's and reduces them as ``all_gather_into``'s backward does
+    (``reduce_unsharded_grad``), with the options of now. The copies cost one memory
+    copy of the group, less than the all-gather they replace.
+    """
+
+    @staticmethod
+    def forward(ctx, layout, *kept_and_shards):
+        padded_numels, world_size, group_name, options = layout
+        count = len(kept_and_shards) // 2
+        kept, shards = kept_and_shards[:count], kept_and_shards[count:]
+        _all_gather_into_setup_context(ctx, (shards, padded_numels, world_size, group_name, *options), None)
+        return tuple(tensor.clone() for tensor in kept)
+
+    @staticmethod
+    def backward(ctx, *unsharded_grads):
+        unsharded_grad = torch.ops.fsdp.reduce_scatter_input(list(unsharded_grads), ctx.world_size)
+        return None, *[None] * len(unsharded_grads), *reduce_unsharded_grad(ctx, unsharded_grad)
+
+
+def all_gather_kept(
+    kept: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], padded_numels, world_size, group_name, *options
+) -> tuple[torch.Tensor, ...]:
+    """Copies of ``kept`` (unsharded parameters, detached) as if ``all_gather_into`` had gathered them from ``shards``.
+
+    See [Note: unsharded parameters kept after backward].
+    """
+    return _KeptAllGather.apply((padded_numels, world_size, group_name, options), *kept, *shards)
 
 
 # post_forward_chunk ------------------------------------------------------------------
