@@ -56,11 +56,9 @@ class GroupAnnotation:
     # FSDP2's set_reduce_scatter_unused_params: an unused parameter gets a zero gradient
     # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
     reduce_scatter_unused_params: bool = False
-    # FSDP2's set_reshard_after_backward and set_all_reduce_hook, which only eager mode
-    # implements: a traced graph with False, or with a hook, is refused
-    # (``passes.install``'s joint pass).
-    reshard_after_backward: bool = True
-    all_reduce_hook: bool = False
+    # The FSDP2 settings of the group that only eager mode implements, by method name
+    # (``set_all_reduce_hook``): the joint pass refuses a graph with any.
+    eager_only_settings: tuple[str, ...] = ()
 
 
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:

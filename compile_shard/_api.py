@@ -467,17 +467,25 @@ class FSDPModule(TorchFSDPModule):
             )
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        raise NotImplementedError(
-            "set_custom_all_gather: compile_shard's all-gather is the registered op fsdp::all_gather_into, "
-            "which the pass suite lowers and schedules; a custom comm object cannot be traced into it"
-        )
+        """Gathers this module's group with ``comm`` (FSDP2's ``AllGather`` protocol; not recursive; eager only).
+
+        ``comm.allocate(size, dtype=, device=)`` makes the all-gather output and
+        ``comm(output_tensor=, input_tensor=, group=)`` runs it, as in FSDP2
+        ([Note: custom collectives] in compile_shard.ops). Compiling a module with a
+        custom all-gather raises.
+        """
+        for group in self._groups():
+            group.all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise NotImplementedError(
-            "set_custom_reduce_scatter: compile_shard's reduce-scatter is the registered op "
-            "fsdp::reduce_scatter_grad, which the pass suite lowers and schedules; a custom comm object "
-            "cannot be traced into it"
-        )
+        """Reduce-scatters this module's gradients with ``comm`` (FSDP2's ``ReduceScatter`` protocol; eager only).
+
+        ``comm.allocate`` makes the reduce-scatter input and output, and
+        ``comm(output_tensor=, input_tensor=, group=, op=)`` runs it, as in FSDP2.
+        Compiling a module with a custom reduce-scatter raises.
+        """
+        for group in self._groups():
+            group.reduce_scatter_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
         """Calls ``hook(reduced_gradient)`` in every backward of this module's group (not recursive; eager only).

@@ -276,6 +276,10 @@ class FSDPParamGroup:
         # FSDP2's set_all_reduce_hook, eager only: called on the reduced gradient before
         # the post-division ([Note: the all-reduce hook] in compile_shard.ops).
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # FSDP2's set_custom_all_gather / set_custom_reduce_scatter, eager only
+        # ([Note: custom collectives] in compile_shard.ops).
+        self.all_gather_comm: Any = None
+        self.reduce_scatter_comm: Any = None
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -397,12 +401,27 @@ class FSDPParamGroup:
             )
         return self._copy_out(all_gather_outputs), all_gather_outputs
 
-    def _reuse_kept(self, kept: UnshardedParams) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The unsharded parameters kept after the last backward, as a new all-gather's output for autograd."""
+    def _custom_all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The unsharded parameters gathered by the custom all-gather ([Note: custom collectives])."""
+        outputs = []
+        for part in self.all_gather_parts:
+            shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
+            outputs.append(
+                ops.all_gather_with(
+                    self.all_gather_comm, shards, part.padded_numels, self.world_size,
+                    self.fsdp_params[0].rank, self.group_name, part.param_dtype,
+                )
+            )
+        with torch.no_grad():
+            gathered = self._copy_out(outputs)
+        return self._reuse_kept(gathered)
+
+    def _reuse_kept(self, kept: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Unsharded parameters gathered earlier (or by a custom all-gather), as a new all-gather's output for autograd."""
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
         for part in self.all_gather_parts:
-            tensors = [kept.tensors[index].detach() for index in part.indices]
+            tensors = [kept[index].detach() for index in part.indices]
             if torch.is_grad_enabled() and self._takes_gradients(part):
                 shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
                 options = self._all_gather_options(part)
@@ -466,9 +485,18 @@ class FSDPParamGroup:
             if self.reshard_group is None
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
             reduce_scatter_unused_params=self.reduce_scatter_unused_params,
-            reshard_after_backward=self.reshard_after_backward,
-            all_reduce_hook=self.all_reduce_hook is not None,
+            eager_only_settings=self.eager_only_settings(),
         )
+
+    def eager_only_settings(self) -> tuple[str, ...]:
+        """The group's settings that only eager mode implements: a compiled graph refuses them."""
+        settings = {
+            "set_reshard_after_backward(False)": not self.reshard_after_backward,
+            "set_all_reduce_hook": self.all_reduce_hook is not None,
+            "set_custom_all_gather": self.all_gather_comm is not None,
+            "set_custom_reduce_scatter": self.reduce_scatter_comm is not None,
+        }
+        return tuple(name for name, is_set in settings.items() if is_set)
 
     # Lifecycle --------------------------------------------------------------------
 
@@ -477,8 +505,10 @@ class FSDPParamGroup:
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
             if self.kept_after_backward is not None:
-                tensors, all_gather_outputs = self._reuse_kept(self.kept_after_backward)
+                tensors, all_gather_outputs = self._reuse_kept(self.kept_after_backward.tensors)
                 self.kept_after_backward = None
+            elif self.all_gather_comm is not None:
+                tensors, all_gather_outputs = self._custom_all_gather()
             else:
                 tensors, all_gather_outputs = self._all_gather()
             post_forward_chunks = None
@@ -486,10 +516,10 @@ class FSDPParamGroup:
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
-            if self.all_reduce_hook is not None:
-                for output in all_gather_outputs:
-                    if output.grad_fn is not None:
-                        output.grad_fn.all_reduce_hook = self.all_reduce_hook
+            for output in all_gather_outputs:
+                if output.grad_fn is not None:  # [Note: the all-reduce hook] in compile_shard.ops
+                    output.grad_fn.all_reduce_hook = self.all_reduce_hook
+                    output.grad_fn.reduce_scatter_comm = self.reduce_scatter_comm
             if not self.reduce_scatter_unused_params:
                 for fsdp_param, tensor in zip(self.fsdp_params, tensors):
                     if tensor.requires_grad:
@@ -523,6 +553,8 @@ class FSDPParamGroup:
         with torch.no_grad():
             if unsharded.post_forward_chunks is not None:
                 fresh = self._all_gather_post_forward_chunks(unsharded.post_forward_chunks)
+            elif self.all_gather_comm is not None:
+                fresh, _ = self._custom_all_gather()
             else:
                 fresh, _ = self._all_gather()
         unsharded.refill(fresh)

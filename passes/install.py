@@ -164,25 +164,27 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     return moved
 
 
+# Why each setting that only eager mode implements cannot take part in a compiled graph.
+_EAGER_ONLY_REASONS = {
+    "set_reshard_after_backward(False)": "a compiled graph all-gathers in every forward and keeps nothing across "
+    "steps (accumulate with set_requires_gradient_sync(False) alone)",
+    "set_all_reduce_hook": "a compiled backward cannot call a Python hook between its collectives (do the hook's "
+    "work on the sharded gradients after backward)",
+    "set_custom_all_gather": "a compiled graph's all-gathers are the collectives the pass suite lowers and schedules",
+    "set_custom_reduce_scatter": "a compiled graph's reduce-scatters are the collectives the pass suite lowers and "
+    "schedules",
+}
+
+
 def _refuse_eager_only_settings(graph: fx.Graph) -> None:
-    """Raises for a group whose setting only eager mode implements, naming the group and what to do instead."""
+    """Raises for a group with a setting only eager mode implements, naming the group, the setting and why."""
     for all_gather in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
         annotation = group_annotation(all_gather)
-        if annotation is None:
-            continue
-        if not annotation.reshard_after_backward:
+        if annotation is not None and annotation.eager_only_settings:
+            reasons = "; ".join(f"{name}: {_EAGER_ONLY_REASONS[name]}" for name in annotation.eager_only_settings)
             raise NotImplementedError(
-                f"fully_shard({annotation.name!r}): set_reshard_after_backward(False) is implemented in eager mode "
-                "only: a compiled graph all-gathers the parameters in every forward and keeps nothing across "
-                "steps. Call set_reshard_after_backward(True) before compiling, or accumulate with "
-                "set_requires_gradient_sync(False) alone"
-            )
-        if annotation.all_reduce_hook:
-            raise NotImplementedError(
-                f"fully_shard({annotation.name!r}): set_all_reduce_hook is implemented in eager mode only: a "
-                "compiled backward cannot call a Python hook between its collectives. Remove the hook "
-                "(set_all_reduce_hook(None)) before compiling, or run the hook's work on the sharded gradients "
-                "after backward"
+                f"fully_shard({annotation.name!r}) is compiled with settings implemented in eager mode only. "
+                f"{reasons}. Undo them before compiling"
             )
 
 

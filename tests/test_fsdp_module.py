@@ -7,9 +7,11 @@ compile_shard's, on the same model and data, and compares gradients and paramete
 """
 
 import copy
+import re
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
@@ -345,11 +347,75 @@ def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see():
     run_gloo(_all_reduce_hook_worker, 2)
 
 
-def test_compiling_a_module_with_an_all_reduce_hook_raises(fake_pg):
+class CountingAllGather:
+    """FSDP2's ``AllGather`` protocol around ``dist.all_gather_into_tensor``, counting its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allocate(self, size, *, dtype, device):
+        self.calls.append(("allocate", tuple(size), dtype))
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls.append(("all_gather", output_tensor.numel(), input_tensor.numel()))
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls.append(("reduce_scatter", output_tensor.numel(), input_tensor.numel(), op))
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _custom_comms_worker(rank, world_size):
+    """Custom comms on every module: FSDP2's calls to them, its gradients and parameters, over two steps."""
+    models, comms = [], []
+    for shard in (fully_shard, torch_fully_shard):
+        model, _ = build_sharded_llama(LlamaConfig(), shard=shard)
+        comm_pair = (CountingAllGather(), CountingReduceScatter())
+        for module in model.modules():
+            if isinstance(module, TorchFSDPModule):
+                module.set_custom_all_gather(comm_pair[0])
+                module.set_custom_reduce_scatter(comm_pair[1])
+        models.append(model)
+        comms.append(comm_pair)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for step in range(2):
+        tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
+        for model in models:
+            lm_loss(model, tokens).backward()
+        for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for ours, theirs in zip(*comms):
+        assert ours.calls == theirs.calls and ours.calls, (ours.calls, theirs.calls)
+    for param, other in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
+
+
+def test_custom_all_gather_and_reduce_scatter_are_called_as_torch_fsdp2_calls_them():
+    run_gloo(_custom_comms_worker, 2)
+
+
+@pytest.mark.parametrize(
+    "setting, call",
+    [
+        ("set_reshard_after_backward(False)", lambda m: m.set_reshard_after_backward(False)),
+        ("set_all_reduce_hook", lambda m: m.set_all_reduce_hook(lambda reduced: None)),
+        ("set_custom_all_gather", lambda m: m.set_custom_all_gather(CountingAllGather())),
+        ("set_custom_reduce_scatter", lambda m: m.set_custom_reduce_scatter(CountingReduceScatter())),
+    ],
+    ids=["reshard_after_backward", "all_reduce_hook", "custom_all_gather", "custom_reduce_scatter"],
+)
+def test_compiling_a_module_with_an_eager_only_setting_raises(fake_pg, setting, call):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
-    model.layers[0].set_all_reduce_hook(lambda reduced: None)
+    call(model.layers[0])
     tokens = torch.randint(0, LlamaConfig().vocab_size, (2, 9))
-    with pytest.raises(Exception, match=r"fully_shard\('layers.0'\): set_all_reduce_hook is implemented in eager"):
+    message = rf"fully_shard\('layers.0'\) is compiled with settings implemented in eager mode only. {re.escape(setting)}:"
+    with pytest.raises(Exception, match=message):
         lm_loss(torch.compile(model, backend="aot_eager"), tokens).backward()
 
 
@@ -438,15 +504,11 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     "call, message",
     [
         (lambda m: m.set_allocate_memory_from_process_group_for_comm(True), "ordinary tensors"),
-        (lambda m: m.set_custom_all_gather(object()), "all_gather_into"),
-        (lambda m: m.set_custom_reduce_scatter(object()), "reduce_scatter_grad"),
         (lambda m: m.set_separate_reduce_scatter_group(), "second process group"),
         (lambda m: m.set_symm_mem_for_comm(), "NCCL"),
     ],
     ids=[
         "allocate_memory_from_process_group",
-        "custom_all_gather",
-        "custom_reduce_scatter",
         "separate_reduce_scatter_group",
         "symm_mem",
     ],

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from compile_shard._collectives import node_collective
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
 
 MICRO_BATCHES = 4
 CONFIG = LlamaConfig()
@@ -83,15 +83,6 @@ def test_keeping_unsharded_parameters_between_micro_batches_matches_torch_fsdp2(
     run_gloo(_keep_unsharded_worker, 2)
 
 
-def test_compiling_with_unsharded_parameters_kept_after_backward_raises():
-    with FakeProcessGroup(2):
-        model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
-        model.layers[0].set_reshard_after_backward(False)
-        tokens = torch.randint(0, CONFIG.vocab_size, (2, 9))
-        with pytest.raises(Exception, match=r"fully_shard\('layers.0'\): set_reshard_after_backward\(False\)"):
-            lm_loss(torch.compile(model, backend="aot_eager"), tokens).backward()
-
-
 def _reductions_in(graph) -> int:
     kinds = [node_collective(node) for node in graph.nodes if node.op == "call_function"]
     return sum(kind is not None and kind.kind in ("reduce_scatter", "all_to_all") for kind in kinds)
@@ -117,8 +108,10 @@ def _compiled_worker(rank, world_size):
     for step in range(20):
         tokens = global_batch(step, world_size, 2 * MICRO_BATCHES, 8, CONFIG.vocab_size)
         local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
+        # Eager is the reference for the first steps; the later ones count recompiles only.
+        runs = ((compiled_model, runnable), (eager_model, eager_model)) if step < 3 else ((compiled_model, runnable),)
         for index, micro_batch in enumerate(local.chunk(MICRO_BATCHES)):
-            for model, run in ((compiled_model, runnable), (eager_model, eager_model)):
+            for model, run in runs:
                 model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
                 (lm_loss(run, micro_batch) / MICRO_BATCHES).backward()
         if step < 3:

@@ -10,8 +10,9 @@ One module per job; importing this package registers every op:
 
 - ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
-  ``post_forward_chunk``, and ``all_gather_kept`` (eager only: ``all_gather_into``'s
-  autograd for unsharded parameters kept from an earlier all-gather);
+  ``post_forward_chunk``, and, eager only, ``all_gather_kept`` (``all_gather_into``'s
+  autograd for unsharded parameters kept from an earlier all-gather) and
+  ``all_gather_with`` (an all-gather by a custom comm object);
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
   ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
 - ``storage``: ``set_``, ``resize_storage_``;
@@ -42,6 +43,7 @@ from .all_gather import (
     all_gather_into,
     all_gather_kept,
     all_gather_params_,
+    all_gather_with,
     all_gather_send_recv_,
     post_forward_chunk,
 )
@@ -59,6 +61,7 @@ from .storage import resize_storage_, set_
 __all__ = [
     "all_gather_into",
     "all_gather_kept",
+    "all_gather_with",
     "all_gather_params_",
     "all_gather_send_recv_",
     "post_forward_chunk",

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .backend import gathers_by_send_recv
 from .checks import _check_same_dtype
@@ -173,9 +175,15 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         unsharded_grad = unsharded_grad + options.accumulated_grad
     if options.premul_factor != 1.0:
         unsharded_grad = unsharded_grad * options.premul_factor
-    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
-        unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
-    )
+    reduce_scatter_comm = getattr(ctx, "reduce_scatter_comm", None)  # [Note: custom collectives]
+    if reduce_scatter_comm is not None and ctx.world_size > 1:
+        sharded_grad = _reduce_scatter_with(
+            reduce_scatter_comm, unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
+        )
+    else:
+        sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
+            unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
+        )
     if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
         if not options.all_reduce_grads:
             options.partial_reduce_output.add_(sharded_grad)
@@ -189,7 +197,8 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
     # FSDP2's set_all_reduce_hook: a Python callable on the reduced gradient (the
     # reduce-scatter's output, after HSDP's all-reduce), in place, before the
     # post-division. No op argument can carry a callable, so eager mode sets it on the
-    # all-gather's autograd node, which is ``ctx``; compiled graphs refuse a group with a hook.
+    # all-gather's autograd node, which is ``ctx``, as it does a custom reduce-scatter;
+    # compiled graphs refuse a group with either.
     all_reduce_hook = getattr(ctx, "all_reduce_hook", None)
     if all_reduce_hook is not None:
         all_reduce_hook(sharded_grad)
@@ -203,6 +212,50 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
             sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
         )
     ]
+
+
+# Custom collectives ------------------------------------------------------------------
+# [Note: custom collectives]
+# FSDP2's set_custom_all_gather / set_custom_reduce_scatter: objects whose ``allocate``
+# makes the collectives' buffers and whose call runs the collective, called as FSDP2
+# calls them (the all-gather input is this rank's slice of the output; the
+# reduce-scatter's input is allocated and copied into). Eager mode only: a custom
+# all-gather runs outside ``all_gather_into`` and ``all_gather_kept`` gives its output
+# the all-gather's autograd; a custom reduce-scatter replaces ``reduce_scatter_grad``
+# in ``reduce_unsharded_grad``, found on the autograd node like the all-reduce hook.
+
+
+def all_gather_with(
+    comm, shards: Sequence[torch.Tensor], padded_numels, world_size: int, rank: int, group_name: str,
+    param_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The all-gather output of ``shards``, gathered by the custom ``comm`` (no autograd)."""
+    with torch.no_grad():
+        all_gather_input = _copy_in(shards, padded_numels, param_dtype)
+        output = comm.allocate(
+            (world_size * all_gather_input.numel(),), dtype=all_gather_input.dtype, device=all_gather_input.device
+        )
+        own_slice = output.view(world_size, -1)[rank]
+        own_slice.copy_(all_gather_input)
+        work = comm(output_tensor=output, input_tensor=own_slice, group=_resolve_process_group(group_name))
+        if work is not None:
+            work.wait()
+    return output
+
+
+def _reduce_scatter_with(comm, unsharded_grad, world_size: int, group_name: str, reduce_op: str) -> torch.Tensor:
+    reduce_scatter_input = comm.allocate(
+        (unsharded_grad.numel(),), dtype=unsharded_grad.dtype, device=unsharded_grad.device
+    )
+    reduce_scatter_input.copy_(unsharded_grad.view(-1))
+    output = comm.allocate(
+        (unsharded_grad.numel() // world_size,), dtype=unsharded_grad.dtype, device=unsharded_grad.device
+    )
+    op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
+    work = comm(output_tensor=output, input_tensor=reduce_scatter_input, group=_resolve_process_group(group_name), op=op)
+    if work is not None:
+        work.wait()
+    return output
 
 
 class _KeptAllGather(torch.autograd.Function):
@@ -238,7 +291,8 @@ def all_gather_kept(
 ) -> tuple[torch.Tensor, ...]:
     """Copies of ``kept`` (unsharded parameters, detached) as if ``all_gather_into`` had gathered them from ``shards``.
 
-    See [Note: unsharded parameters kept after backward].
+    See [Note: unsharded parameters kept after backward]; a custom all-gather's output
+    takes the same way ([Note: custom collectives]).
     """
     return _KeptAllGather.apply((padded_numels, world_size, group_name, options), *kept, *shards)
 
