@@ -459,12 +459,24 @@ class FSDPModule(TorchFSDPModule):
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Only ``False``: the collectives' buffers come from torch's allocator (Inductor plans them when compiled)."""
-        if enable:
-            raise NotImplementedError(
-                "set_allocate_memory_from_process_group_for_comm(True): compile_shard allocates collective "
-                "buffers as ordinary tensors, planned by Inductor in compiled graphs"
-            )
+        """FSDP2's knob: the collectives' buffers from the process group's own allocator, where its backend has one.
+
+        A backend without one (gloo, the fake backend) makes FSDP2 fall back to torch's
+        allocator, as compile_shard always does: accepted there. A backend with one
+        (NCCL with a memory allocator) raises ``NotImplementedError``; Inductor plans
+        the compiled graphs' buffers instead ([Note: planned all-gather buffers]).
+        """
+        if not enable:
+            return
+        for group in self._groups():
+            device = torch.device(group.mesh.device_type)
+            backend = group.mesh.get_group(group.mesh.ndim - 1)._get_backend(device)
+            if backend.supports_tensor_alloc(device):
+                raise NotImplementedError(
+                    f"fully_shard({group.module_name!r}): set_allocate_memory_from_process_group_for_comm(True) on "
+                    "a process group that allocates tensors is not supported: compile_shard allocates collective "
+                    "buffers as ordinary tensors, planned by Inductor in compiled graphs"
+                )
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Gathers this module's group with ``comm`` (FSDP2's ``AllGather`` protocol; not recursive; eager only).
@@ -503,15 +515,22 @@ class FSDPModule(TorchFSDPModule):
             group.all_reduce_hook = hook
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        raise NotImplementedError(
-            "set_separate_reduce_scatter_group: compile_shard runs every collective of a group on the mesh's "
-            "process group; a second process group for reduce-scatters is not supported"
-        )
+        """Runs the gradient reduce-scatters on a process group of their own (FSDP2's semantics), eager and compiled.
+
+        One new process group over each set of shard ranks, made by this call on every
+        rank (a collective call, as in FSDP2); ``False`` goes back to the shard group.
+        The values do not change; the reduce-scatters no longer queue behind the
+        all-gathers on one communicator. A compiled model recompiles for a new setting.
+        """
+        new_groups: dict[tuple[int, ...], str] = {}
+        for group in self._groups(recurse):
+            group.set_separate_reduce_scatter_group(bool(enable), new_groups)
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise NotImplementedError(
-            "set_symm_mem_for_comm: symmetric-memory all-gathers need NCCL on CUDA, and compile_shard's "
-            "collectives do not use them"
+            "set_symm_mem_for_comm: symmetric-memory all-gathers need NCCL on CUDA (FSDP2 fails at its first "
+            "all-gather without them), and compile_shard's collectives do not use them; its compiled graphs' "
+            "all-gather buffers are planned by Inductor instead"
         )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -280,6 +281,9 @@ class FSDPParamGroup:
         # ([Note: custom collectives] in compile_shard.ops).
         self.all_gather_comm: Any = None
         self.reduce_scatter_comm: Any = None
+        # FSDP2's set_separate_reduce_scatter_group: the reduce-scatters' own process group
+        # over the shard group's ranks, eager and compiled (None: the shard group's).
+        self.reduce_scatter_group_name: str | None = None
         # Names of every group under the same root, set by the root: lets the pass
         # suite notice a graph that holds only part of the model (a graph break).
         self.model_groups: tuple[str, ...] = (module_name,)
@@ -340,6 +344,22 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.used_since_reduction = None
 
+    def set_separate_reduce_scatter_group(self, enable: bool, new_groups: dict[tuple[int, ...], str]) -> None:
+        """Gives the reduce-scatters a process group of their own over the shard group's ranks (FSDP2's knob).
+
+        ``new_groups`` holds the groups one call made, by ranks, so that groups over
+        the same ranks share one process group, as in FSDP2.
+        """
+        if not enable:
+            self.reduce_scatter_group_name = None
+            return
+        ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(self.mesh.ndim - 1)))
+        if ranks not in new_groups:
+            new_groups[ranks] = self.reduce_scatter_group_name or dist.new_group(
+                list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
+            ).group_name
+        self.reduce_scatter_group_name = new_groups[ranks]
+
     def _part_taking_gradients(self) -> AllGatherPart | None:
         return next((part for part in self.all_gather_parts if self._takes_gradients(part)), None)
 
@@ -373,8 +393,9 @@ class FSDPParamGroup:
             self.replicate_group_name,
             all_reduce_grads,
             partial_reduce_output,
+            self.reduce_scatter_group_name,
         )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None)
+        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None)
         given = len(values)
         while given and _is_default(values[given - 1], defaults[given - 1]):
             given -= 1
@@ -403,13 +424,18 @@ class FSDPParamGroup:
 
     def _custom_all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The unsharded parameters gathered by the custom all-gather ([Note: custom collectives])."""
-        outputs = []
+        outputs, rank = [], self.fsdp_params[0].rank
         for part in self.all_gather_parts:
             shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
             outputs.append(
                 ops.all_gather_with(
-                    self.all_gather_comm, shards, part.padded_numels, self.world_size,
-                    self.fsdp_params[0].rank, self.group_name, part.param_dtype,
+                    self.all_gather_comm,
+                    shards,
+                    part.padded_numels,
+                    self.world_size,
+                    rank,
+                    self.group_name,
+                    part.param_dtype,
                 )
             )
         with torch.no_grad():
@@ -417,7 +443,7 @@ class FSDPParamGroup:
         return self._reuse_kept(gathered)
 
     def _reuse_kept(self, kept: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Unsharded parameters gathered earlier (or by a custom all-gather), as a new all-gather's output for autograd."""
+        """Unsharded parameters gathered earlier (or by a custom all-gather) as a new all-gather's output."""
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
         for part in self.all_gather_parts:
@@ -504,26 +530,13 @@ class FSDPParamGroup:
         if self.unsharded is not None and self._needs_autograd_graph(self.unsharded):
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
-            if self.kept_after_backward is not None:
-                tensors, all_gather_outputs = self._reuse_kept(self.kept_after_backward.tensors)
-                self.kept_after_backward = None
-            elif self.all_gather_comm is not None:
-                tensors, all_gather_outputs = self._custom_all_gather()
-            else:
-                tensors, all_gather_outputs = self._all_gather()
+            tensors, all_gather_outputs = self._gather_for_forward()
             post_forward_chunks = None
             if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
-            for output in all_gather_outputs:
-                if output.grad_fn is not None:  # [Note: the all-reduce hook] in compile_shard.ops
-                    output.grad_fn.all_reduce_hook = self.all_reduce_hook
-                    output.grad_fn.reduce_scatter_comm = self.reduce_scatter_comm
-            if not self.reduce_scatter_unused_params:
-                for fsdp_param, tensor in zip(self.fsdp_params, tensors):
-                    if tensor.requires_grad:
-                        fsdp_param.watch_use(tensor)
+            self._prepare_backward(tensors, all_gather_outputs)
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
         elif self.unsharded.is_freed:
@@ -531,6 +544,32 @@ class FSDPParamGroup:
         for fsdp_param, tensor in zip(self.fsdp_params, self.unsharded.tensors):
             fsdp_param.show_unsharded(tensor)
         return self.unsharded
+
+    def _gather_for_forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
+        if self.kept_after_backward is not None:
+            kept, self.kept_after_backward = self.kept_after_backward, None
+            return self._reuse_kept(kept.tensors)
+        if self.all_gather_comm is not None:
+            return self._custom_all_gather()
+        return self._all_gather()
+
+    def _prepare_backward(self, tensors: list[torch.Tensor], all_gather_outputs: list[torch.Tensor]) -> None:
+        """What eager backward needs beyond the op's arguments.
+
+        The all-reduce hook and a custom reduce-scatter, on the all-gathers' autograd
+        nodes ([Note: the all-reduce hook] in compile_shard.ops), and a watch on each
+        unsharded parameter for whether backward reaches it ([Note: unused parameters]
+        in passes.unused_params).
+        """
+        for output in all_gather_outputs:
+            if output.grad_fn is not None:
+                output.grad_fn.all_reduce_hook = self.all_reduce_hook
+                output.grad_fn.reduce_scatter_comm = self.reduce_scatter_comm
+        if not self.reduce_scatter_unused_params:
+            for fsdp_param, tensor in zip(self.fsdp_params, tensors):
+                if tensor.requires_grad:
+                    fsdp_param.watch_use(tensor)
 
     def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
         return (

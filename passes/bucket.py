@@ -53,14 +53,19 @@ def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | No
 
 
 def _bucket_key(all_gather: fx.Node) -> tuple:
-    """Groups can share a collective only on the same process group, dtypes and resharding policy (and group).
+    """Groups can share a collective only on the same process groups, dtypes and resharding policy (and group).
+
+    The process groups: the all-gather's, and the reduce-scatter's where it has one of
+    its own (``set_separate_reduce_scatter_group``).
 
     The dtypes: the shards' and the all-gather's (``param_dtype`` under mixed precision).
     """
     world_size, group_name = all_gather.args[2:4]
     annotation = group_annotation(all_gather)
     dtypes = all_gather.args[0][0].meta["val"].dtype, all_gather.meta["val"].dtype
-    return world_size, group_name, dtypes, annotation.reshard_after_forward, annotation.reshard_group
+    reduce_scatter_group = op_argument(all_gather, "reduce_scatter_group_name")
+    resharding = annotation.reshard_after_forward, annotation.reshard_group
+    return world_size, group_name, reduce_scatter_group, dtypes, *resharding
 
 
 def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:

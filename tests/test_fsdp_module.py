@@ -24,6 +24,7 @@ from compile_shard import fully_shard, register_fsdp_forward_method, share_comm_
 from compile_shard.debug import CollectiveCounter
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from graph_utils import CapturingBackend
 
 
 @pytest.fixture
@@ -400,6 +401,32 @@ def test_custom_all_gather_and_reduce_scatter_are_called_as_torch_fsdp2_calls_th
     run_gloo(_custom_comms_worker, 2)
 
 
+def _separate_reduce_scatter_group_worker(rank, world_size):
+    """FSDP2's gradients eagerly; compiled, the backward reduces on the new group and equals eager."""
+    graphs = CapturingBackend()
+    models = []
+    for shard in (torch_fully_shard, fully_shard, fully_shard):
+        model, _ = build_sharded_llama(LlamaConfig(), shard=shard)
+        model.set_separate_reduce_scatter_group()
+        models.append(model)
+    runs = (models[0], models[1], torch.compile(models[2], backend=graphs.backend))
+    tokens = global_batch(0, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
+    for run in runs:
+        lm_loss(run, tokens).backward()
+    for (name, param), *others in zip(models[1].named_parameters(), models[0].parameters(), models[2].parameters()):
+        for other in others:
+            torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+    shard_group = models[1].layers[0]._get_fsdp_state().group.group_name
+    (backward,) = graphs.backward_graphs
+    all_to_all = torch.ops._c10d_functional.all_to_all_single.default
+    reduction_groups = {node.args[-1] for node in backward.graph.find_nodes(op="call_function", target=all_to_all)}
+    assert len(reduction_groups) == 1 and shard_group not in reduction_groups, (shard_group, reduction_groups)
+
+
+def test_separate_reduce_scatter_group_matches_torch_fsdp2_and_compiles_onto_that_group():
+    run_gloo(_separate_reduce_scatter_group_worker, 2)
+
+
 @pytest.mark.parametrize(
     "setting, call",
     [
@@ -500,25 +527,12 @@ def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
         fully_shard(nn.Linear(4, 4), **kwargs)
 
 
-@pytest.mark.parametrize(
-    "call, message",
-    [
-        (lambda m: m.set_allocate_memory_from_process_group_for_comm(True), "ordinary tensors"),
-        (lambda m: m.set_separate_reduce_scatter_group(), "second process group"),
-        (lambda m: m.set_symm_mem_for_comm(), "NCCL"),
-    ],
-    ids=[
-        "allocate_memory_from_process_group",
-        "separate_reduce_scatter_group",
-        "symm_mem",
-    ],
-)
-def test_methods_not_supported_yet_raise(fake_pg, call, message):
-    model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
-    with pytest.raises(NotImplementedError, match=message):
-        call(model)
-
-
-def test_defaults_of_unsupported_knobs_are_accepted(fake_pg):
-    model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
-    model.set_allocate_memory_from_process_group_for_comm(False)
+def test_process_group_allocation_is_accepted_where_torch_fsdp2_falls_back_and_symmetric_memory_raises(fake_pg):
+    """A backend that allocates no tensors (the fake one here, gloo alike): both accept the knob."""
+    config = LlamaConfig(n_layers=1)
+    models = [build_sharded_llama(config, shard=shard)[0] for shard in (fully_shard, torch_fully_shard)]
+    for model in models:
+        model.set_allocate_memory_from_process_group_for_comm(True)
+        lm_loss(model, torch.randint(0, config.vocab_size, (2, 9))).backward()
+    with pytest.raises(NotImplementedError, match="symmetric-memory all-gathers need NCCL on CUDA"):
+        models[0].set_symm_mem_for_comm()

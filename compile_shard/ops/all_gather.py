@@ -26,7 +26,7 @@ _lib.define(
     "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
-    "Tensor? partial_reduce_output=None) -> Tensor"
+    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None) -> Tensor"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -83,6 +83,7 @@ class _Options:
     replicate_group_name: str | None = None
     all_reduce_grads: bool = True
     partial_reduce_output: torch.Tensor | None = None
+    reduce_scatter_group_name: str | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
@@ -175,14 +176,16 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         unsharded_grad = unsharded_grad + options.accumulated_grad
     if options.premul_factor != 1.0:
         unsharded_grad = unsharded_grad * options.premul_factor
+    # FSDP2's set_separate_reduce_scatter_group: another process group over the same ranks.
+    group_name = options.reduce_scatter_group_name or ctx.group_name
     reduce_scatter_comm = getattr(ctx, "reduce_scatter_comm", None)  # [Note: custom collectives]
     if reduce_scatter_comm is not None and ctx.world_size > 1:
         sharded_grad = _reduce_scatter_with(
-            reduce_scatter_comm, unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
+            reduce_scatter_comm, unsharded_grad, ctx.world_size, group_name, options.reduce_op
         )
     else:
         sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
-            unsharded_grad, ctx.world_size, ctx.group_name, options.reduce_op
+            unsharded_grad, ctx.world_size, group_name, options.reduce_op
         )
     if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
         if not options.all_reduce_grads:
@@ -226,7 +229,12 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
 
 
 def all_gather_with(
-    comm, shards: Sequence[torch.Tensor], padded_numels, world_size: int, rank: int, group_name: str,
+    comm,
+    shards: Sequence[torch.Tensor],
+    padded_numels: Sequence[int],
+    world_size: int,
+    rank: int,
+    group_name: str,
     param_dtype: torch.dtype | None,
 ) -> torch.Tensor:
     """The all-gather output of ``shards``, gathered by the custom ``comm`` (no autograd)."""
