@@ -471,7 +471,8 @@ class FSDPModule(TorchFSDPModule):
         for group in self._groups():
             device = torch.device(group.mesh.device_type)
             backend = group.mesh.get_group(group.mesh.ndim - 1)._get_backend(device)
-            if backend.supports_tensor_alloc(device):
+            # A backend without the method (older torch) allocates no tensors either.
+            if getattr(backend, "supports_tensor_alloc", lambda device: False)(device):
                 raise NotImplementedError(
                     f"fully_shard({group.module_name!r}): set_allocate_memory_from_process_group_for_comm(True) on "
                     "a process group that allocates tensors is not supported: compile_shard allocates collective "

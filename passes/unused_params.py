@@ -22,9 +22,10 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
   are not detected here: as in FSDP2, they need ``set_reduce_scatter_unused_params(True)``.
 
 The zeros still travel in the reduce-scatter, where FSDP2 leaves them out: the bytes
-differ, the values do not. A reduction that adds a gradient accumulated without sync
-reads a sum, not a piece of zeros, so it is left alone: a parameter no micro-batch
-used gets a zero gradient there.
+differ, the values do not. A reduction that adds a gradient accumulated earlier
+(without sync, or on HSDP without the all-reduce) is left alone, since an earlier
+micro-batch may have used the parameter: one that no micro-batch used gets a zero
+gradient there.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ from ._graph import VIEWS, c10d, cast_dtype, fsdp
 aten = torch.ops.aten
 _ZEROS = (aten.zeros.default, aten.full.default)
 # What lies between a reduce-scatter's output and the split into sharded gradients (beside
-# the cast back to the shards' dtype): the post-division, and HSDP's all-reduce, its wait
-# and the partial reduction added before it.
-_ELEMENTWISE = (aten.div.Tensor, aten.add.Tensor, c10d.all_reduce.default, c10d.wait_tensor.default)
+# the cast back to the shards' dtype): the post-division, and HSDP's all-reduce and its
+# wait. Not an addition: HSDP's partial reduction, accumulated without the all-reduce,
+# may hold a gradient for a parameter this backward left unused.
+_ELEMENTWISE = (aten.div.Tensor, c10d.all_reduce.default, c10d.wait_tensor.default)
 
 
 def _rank_major_pieces(unsharded_grad: fx.Node) -> list[fx.Node] | None:

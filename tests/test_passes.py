@@ -464,24 +464,31 @@ def test_lowered_graph_computes_what_the_fsdp_ops_compute(world_size):
 # unused_params ---------------------------------------------------------------------
 
 
-def _group_backward(weight_piece, bias_piece, accumulated_grad=None):
+def _group_backward(weight_piece, bias_piece, accumulated_grad=None, partial_reduce_output=None):
     """What the all-gather's backward traces for ``_gather_and_use``'s group: reduce, split into shard gradients."""
     unsharded_grad = torch.cat([weight_piece, bias_piece], 1).view(-1)
     if accumulated_grad is not None:
         unsharded_grad = unsharded_grad + accumulated_grad
-    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, WORLD, GROUP) / 2
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, WORLD, GROUP)
+    if partial_reduce_output is not None:  # HSDP's, accumulated without the all-reduce
+        sharded_grad = sharded_grad + partial_reduce_output
+    sharded_grad = sharded_grad / 2
     weight_grad, bias_grad = sharded_grad.split([12, 2])
     return weight_grad[:8].view(2, 4), bias_grad[:1].view(1)
 
 
-def _unused_bias_joint(annotation=make_annotation("block"), accumulated=False):
-    """The bias unused: autograd's zeros for its rank-major piece of the reduction input."""
+def _unused_bias_joint(annotation=make_annotation("block"), accumulated=None):
+    """The bias unused: autograd's zeros for its rank-major piece of the reduction input.
 
-    def fn(weight_grad, *accumulated_grad):
+    ``accumulated``: the gradient an earlier backward left, ``"accumulated_grad"`` or ``"partial_reduce_output"``.
+    """
+
+    def fn(weight_grad, *earlier):
         bias_piece = torch.zeros(WORLD, 2)
-        return _group_backward(weight_grad.view(WORLD, -1), bias_piece, *accumulated_grad)
+        return _group_backward(weight_grad.view(WORLD, -1), bias_piece, **dict(zip([accumulated], earlier)))
 
-    inputs = (torch.randn(6, 4), *([torch.randn(WORLD * 14)] if accumulated else []))
+    numel = {None: 0, "accumulated_grad": WORLD * 14, "partial_reduce_output": 14}[accumulated]
+    inputs = (torch.randn(6, 4), *([torch.randn(numel)] if accumulated else []))
     graph_module = trace(fn, *inputs)
     if annotation is not None:
         (reduction,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
@@ -511,10 +518,17 @@ def test_unused_params_gives_an_unused_parameter_no_gradient():
     [
         lambda: _unused_bias_joint(make_annotation("block", reduce_scatter_unused_params=True)),
         lambda: _unused_bias_joint(annotation=None),
-        lambda: _unused_bias_joint(accumulated=True),
+        lambda: _unused_bias_joint(accumulated="accumulated_grad"),
+        lambda: _unused_bias_joint(accumulated="partial_reduce_output"),
         lambda: trace(_every_parameter_used, torch.randn(6, 4), torch.randn(4)),
     ],
-    ids=["reduce_scatter_unused_params", "unannotated", "accumulated_without_sync", "every_parameter_used"],
+    ids=[
+        "reduce_scatter_unused_params",
+        "unannotated",
+        "accumulated_without_sync",
+        "accumulated_without_the_all_reduce",
+        "every_parameter_used",
+    ],
 )
 def test_unused_params_leaves_gradients_that_may_be_nonzero_or_were_asked_for(joint):
     graph_module = joint()
