@@ -809,6 +809,38 @@ def _reshard_group(mesh: DeviceMesh, size: int) -> ReshardGroup:
     return ReshardGroup(size, rows.get_local_rank(1), rows.get_group(1).group_name)
 
 
+def _shard_dim(label: str, fqn: str, param: nn.Parameter, shard_placement_fn, mesh: DeviceMesh) -> int:
+    """The dim ``shard_placement_fn`` shards ``param`` on (0 without one), checked as FSDP2 checks it."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise NotImplementedError(
+            f"fully_shard({label}): shard_placement_fn gave {placement!r} for {fqn!r}; compile_shard shards on one "
+            "dim: return Shard(dim) or None"
+        )
+    if not -param.dim() <= placement.dim < param.dim():
+        raise ValueError(
+            f"fully_shard({label}): shard_placement_fn gave {placement!r} for {fqn!r}, a {param.dim()}-D parameter "
+            f"of shape {tuple(param.shape)}"
+        )
+    dim = placement.dim % param.dim()
+    if dim == 0:
+        return 0
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"fully_shard({label}): shard_placement_fn gave {placement!r} for the DTensor parameter {fqn!r}; "
+            "tensor-parallel parameters are sharded on dim 0 here (return Shard(0) or None for them)"
+        )
+    world_size = mesh.size(-1)
+    if param.size(dim) % world_size:
+        raise NotImplementedError(
+            f"fully_shard({label}): {fqn!r} has {param.size(dim)} entries on dim {dim}, not divisible by the "
+            f"{world_size} ranks; as in FSDP2, sharding on a dim other than 0 must be even (shard it on dim 0)"
+        )
+    return dim
+
+
 def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
     """Trainable parameters share one dtype: their gradients are reduced as one buffer (FSDP2's rule)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
@@ -835,7 +867,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
 ) -> FSDPModule:
-    """Shards ``module``'s parameters on dim 0 across ``mesh`` (FSDP2 semantics).
+    """Shards ``module``'s parameters on dim 0 (or ``shard_placement_fn``'s dim) across ``mesh`` (FSDP2 semantics).
 
     Apply it bottom-up: to each block first, then to the root. Each call forms one
     group: one all-gather before the module's forward, one reduce-scatter of its
@@ -894,18 +926,12 @@ def fully_shard(
         _check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_trainable_dtypes(label, named)
-    for fqn, param in named.items():
-        placement = None if shard_placement_fn is None else shard_placement_fn(param)
-        if placement is not None and placement != Shard(0):
-            raise NotImplementedError(
-                f"fully_shard({label}): shard_placement_fn gave {placement} for {fqn!r}; compile_shard "
-                "shards every parameter on dim 0 (return Shard(0) or None)"
-            )
+    shard_dims = [_shard_dim(label, fqn, param, shard_placement_fn, mesh) for fqn, param in named.items()]
     group = None
     if usages:
         fsdp_params = [
-            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims)
-            for (fqn, param), usage in zip(named.items(), usages.values())
+            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims, shard_dim)
+            for (fqn, param), usage, shard_dim in zip(named.items(), usages.values(), shard_dims)
         ]
         group = FSDPParamGroup(
             fsdp_params,

@@ -447,14 +447,18 @@ class FSDPParamGroup:
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
         for part in self.all_gather_parts:
+            params = [self.fsdp_params[index] for index in part.indices]
             tensors = [kept[index].detach() for index in part.indices]
+            output = tensors[0]
             if torch.is_grad_enabled() and self._takes_gradients(part):
-                shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
+                # all_gather_kept's autograd node works on rows ([Note: sharding on another dim]).
+                rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
+                shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
                 options = self._all_gather_options(part)
-                tensors = ops.all_gather_kept(
-                    tensors, shards, part.padded_numels, self.world_size, self.group_name, *options
-                )
-            outputs.append(tensors[0])
+                rows = ops.all_gather_kept(rows, shards, part.padded_numels, self.world_size, self.group_name, *options)
+                tensors = [fsdp_param.unsharded_from_rows(row) for fsdp_param, row in zip(params, rows)]
+                output = rows[0]  # the node whose backward reduces
+            outputs.append(output)
             for index, tensor in zip(part.indices, tensors):
                 unsharded[index] = tensor
         return unsharded, outputs
@@ -474,7 +478,8 @@ class FSDPParamGroup:
         for part, all_gather_output in zip(self.all_gather_parts, all_gather_outputs):
             per_rank = all_gather_output.view(self.world_size, -1).split(part.padded_numels, dim=1)
             for index, chunk, shape in zip(part.indices, per_rank, part.unsharded_shapes):
-                unsharded[index] = _unpadded(chunk.reshape(-1, *shape[1:]), shape[0])
+                rows = _unpadded(chunk.reshape(-1, *shape[1:]), shape[0])
+                unsharded[index] = self.fsdp_params[index].unsharded_from_rows(rows)
         return unsharded
 
     def traced_unsharded_params(self) -> list[torch.Tensor]:

@@ -155,6 +155,20 @@ class FSDPParam:
     the local tensor through ``reset_sharded_param``; a local tensor replaced any
     other way (``load_state_dict(assign=True)``, ``param.data = ...``) is not seen,
     as with FSDP2.
+
+    [Note: sharding on another dim]
+    FSDP2's ``shard_placement_fn`` may shard a parameter on a dim ``d > 0``. Everything
+    here shards rows, so such a parameter is sharded as its transpose
+    ``param.transpose(0, d)``: the padded shard, ``shard``, the all-gather, the copy-out
+    and the reduction all see that transpose's rows, unchanged, and the passes with them.
+    The sharded parameter's local tensor is transposed back, a view of the same storage,
+    so the optimizer and the state dicts see ``Shard(d)`` and the original shape, and a
+    gradient arriving for ``shard`` is transposed back the same way. The copy-out
+    transposes each gathered parameter back into a contiguous copy
+    (``unsharded_from_rows``): the modules compute with FSDP2's contiguous unsharded
+    parameter, whose kernels a transposed view would change, and that copy is what the
+    group frees and refills. Each rank holds the same rows of dim ``d`` as in FSDP2,
+    whose local tensor is contiguous where this one is a transposed view.
     """
 
     def __init__(
@@ -164,9 +178,11 @@ class FSDPParam:
         usages: list[ParamUsage],
         mesh: DeviceMesh,
         spmd_data_parallel_dims: tuple[int, ...] = (),
+        shard_dim: int = 0,
     ):
         """``mesh``: the data-parallel mesh. ``spmd_data_parallel_dims``: with ``dp_mesh_dims``, the data-parallel
-        dims of the parameter's own (SPMD) mesh, the shard dim last."""
+        dims of the parameter's own (SPMD) mesh, the shard dim last. ``shard_dim``: the dim ``shard_placement_fn``
+        chose ([Note: sharding on another dim])."""
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -180,13 +196,15 @@ class FSDPParam:
         # ([Note: sharding a tensor-parallel parameter]).
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         self.spmd_data_parallel_dims = spmd_data_parallel_dims
+        self.shard_dim = shard_dim
         if self.tp_spec is None:
-            self.sharded_mesh, self.placements = mesh, shard_placements(mesh)
+            self.sharded_mesh, self.placements = mesh, shard_placements(mesh, shard_dim)
         elif not spmd_data_parallel_dims:
             self.sharded_mesh, self.placements = tensor_parallel_layout(mesh, self.tp_spec)
         else:
             self.sharded_mesh, self.placements = spmd_layout(self.tp_spec, spmd_data_parallel_dims[-1])
         data = param if self.tp_spec is None else param._local_tensor
+        data = self.rows_of(data)
         self.world_size = mesh.size(-1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.unsharded_shape = data.shape
@@ -198,7 +216,7 @@ class FSDPParam:
         self.padded_shard = data.new_zeros((self.padded_rows, *data.shape[1:]))
         with torch.no_grad():
             self.padded_shard[: self.shard_rows].copy_(data[start:end])
-        local_tensor = self.padded_shard[: self.shard_rows]
+        local_tensor = self.rows_of(self.padded_shard[: self.shard_rows])
         sharded = DTensor.from_local(
             local_tensor, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
@@ -212,13 +230,21 @@ class FSDPParam:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
 
+    def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` with the shard dim first, or back: a transposed view ([Note: sharding on another dim])."""
+        return tensor if self.shard_dim == 0 else tensor.transpose(0, self.shard_dim)
+
+    def unsharded_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter, contiguous in its own layout, from the gathered rows (a copy for ``d > 0``)."""
+        return rows if self.shard_dim == 0 else rows.transpose(0, self.shard_dim).contiguous()
+
     @property
     def local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
 
     def _new_shard(self) -> torch.Tensor:
         """See [Note: the shard autograd sees]."""
-        shard = self.local_tensor.detach().requires_grad_(True)
+        shard = self.rows_of(self.local_tensor.detach()).requires_grad_(True)
         shard.register_post_accumulate_grad_hook(self._accumulate_sharded_grad)
         return shard
 
@@ -249,7 +275,7 @@ class FSDPParam:
                     "unused parameter gets a zero gradient"
                 )
             return
-        param = self.sharded_param
+        param, grad = self.sharded_param, self.rows_of(grad)
         if param.grad is None:
             param.grad = DTensor.from_local(
                 grad, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
@@ -308,9 +334,10 @@ class FSDPParam:
             and local_tensor.dtype == self.padded_shard.dtype
         ):
             return
-        padded = local_tensor.new_zeros((self.padded_rows, *local_tensor.shape[1:]))
+        rows = self.rows_of(local_tensor)
+        padded = rows.new_zeros((self.padded_rows, *rows.shape[1:]))
         with torch.no_grad():
-            padded[: self.shard_rows].copy_(local_tensor)
-        ops.set_(local_tensor, padded[: self.shard_rows])
+            padded[: self.shard_rows].copy_(rows)
+        ops.set_(local_tensor, self.rows_of(padded[: self.shard_rows]))
         self.padded_shard = padded
         self.shard = self._new_shard()

@@ -39,9 +39,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def shard_placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """FSDP2's placements: ``Shard(0)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on HSDP's (replicate, shard) mesh."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def shard_placements(mesh: DeviceMesh, dim: int = 0) -> tuple[Placement, ...]:
+    """FSDP2's placements: ``Shard(dim)`` on a 1-D mesh, ``(Replicate(), Shard(dim))`` on HSDP's mesh."""
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
 def _shards_dim_0(placement: Placement) -> bool:

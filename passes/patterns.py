@@ -39,6 +39,7 @@ _CHAIN_OPS = {
     aten.clone.default,
     aten.alias.default,
     aten.t.default,
+    aten.transpose.int,
     aten.permute.default,
     aten.expand.default,
     aten._to_copy.default,
