@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
 from dist_utils import build_sharded_llama, dcp_exchange_both_ways, global_batch, lm_loss, run_gloo
+from test_fsdp_module import _dim_1_model
 
 CONFIG = LlamaConfig(dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16)
 SEQ = 8
@@ -287,3 +288,14 @@ def _hsdp_exchange_worker(rank, world_size, folder):
 def test_dcp_exchange_between_hsdp_and_torch_fsdp2_on_another_mesh(tmp_path):
     """Recipe 5 on 2-D meshes: compile_shard HSDP at (2, 1) saves, torch FSDP2 at (1, 2) loads, and back."""
     run_gloo(_hsdp_exchange_worker, 2, str(tmp_path))
+
+
+def _dim_1_exchange_worker(rank, world_size, folder):
+    models = [_dim_1_model(shard) for shard in (fully_shard, torch_fully_shard, torch_fully_shard)]
+    dcp_exchange_both_ways(*models, folder)
+
+
+@needs_numpy
+def test_dcp_exchange_of_parameters_sharded_on_dim_1_with_torch_fsdp2(tmp_path):
+    """Recipe 5 with Shard(1) parameters: transposed local tensors here ([Note: sharding on another dim])."""
+    run_gloo(_dim_1_exchange_worker, 2, str(tmp_path))
