@@ -12,7 +12,7 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
 
 - eager: each unsharded parameter records, with a tensor hook, whether backward
   reached it; the sharded gradient of one that was not reached is dropped
-  (``FSDPParam.deliver_sharded_grad``). That gradient is zero unless another rank
+  (``FSDPParam._accumulate_sharded_grad``). That gradient is zero unless another rank
   used the parameter, which FSDP2 cannot reduce either: it raises there, naming the
   parameter and ``set_reduce_scatter_unused_params(True)``.
 - compiled: autograd fills an unused parameter's part of the reduction input with a
