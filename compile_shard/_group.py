@@ -250,6 +250,14 @@ class FSDPParamGroup:
         self.reshard_group = reshard_group
         # Fixed at sharding time; held here so a trace reads constants per group.
         self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
+        self.mp_policy = mp_policy
+        # [Note: all-gather extensions] in compile_shard._param.
+        self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
+        if self.has_extensions and reshard_group is not None:
+            raise NotImplementedError(
+                f"fully_shard({module_name}): reshard_after_forward as a smaller group is not supported for "
+                "parameters with an all-gather extension (fsdp_pre_all_gather), as in FSDP2; pass True or False"
+            )
         # FSDP2's MixedPrecisionPolicy as the reduction applies it ([Note: mixed-precision
         # reduction] in compile_shard.ops): the dtype gradients are computed in (the
         # trainable parameters' all-gather dtype), and ``reduce_dtype``, None where it is
@@ -302,7 +310,7 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # FSDP2's set_reshard_after_backward: False keeps the unsharded parameters after
         # backward, and the next forward computes with them instead of all-gathering
-        # ([Note: unsharded parameters kept after backward] in compile_shard.ops).
+        # ([Note: unsharded parameters gathered outside all_gather_into] in compile_shard.ops).
         self.reshard_after_backward = True
         self.kept_after_backward: UnshardedParams | None = None
         self.unsharded: UnshardedParams | None = None
@@ -412,6 +420,8 @@ class FSDPParamGroup:
 
     def _all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """All-gathers the group (one collective per part) and copies out one tensor per parameter."""
+        if self.has_extensions:
+            return self._as_gathered(self._gather_with_extensions())
         all_gather_outputs = []
         for part in self.all_gather_parts:
             shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
@@ -422,8 +432,58 @@ class FSDPParamGroup:
             )
         return self._copy_out(all_gather_outputs), all_gather_outputs
 
+    def _gather_with_extensions(self) -> list[torch.Tensor]:
+        """The unsharded parameters of a group with all-gather extensions, without autograd.
+
+        One all-gather per dtype of the all-gather inputs: the extensions' inputs and the
+        other parameters' shards cast to their wire dtype ([Note: all-gather extensions]
+        in compile_shard._param).
+        """
+        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
+        inputs: list[list[torch.Tensor]] = []
+        metadata: list[Any] = []
+        by_dtype: dict[torch.dtype, list[tuple[int, int]]] = {}
+        with torch.no_grad():
+            for index, fsdp_param in enumerate(self.fsdp_params):
+                if fsdp_param.has_extension:
+                    tensors, meta = fsdp_param.extension_inputs(mesh, self.mp_policy)
+                    dtypes = [tensor.dtype for tensor in tensors]
+                else:
+                    tensors, meta = [fsdp_param.shard.detach()], None
+                    dtypes = [_wire_dtype(fsdp_param, self.mp_policy)]
+                inputs.append(tensors)
+                metadata.append(meta)
+                for position, dtype in enumerate(dtypes):
+                    by_dtype.setdefault(dtype, []).append((index, position))
+            gathered: list[list[torch.Tensor | None]] = [[None] * len(tensors) for tensors in inputs]
+            for dtype, places in by_dtype.items():
+                shards = [inputs[index][position] for index, position in places]
+                padded_numels = [
+                    tensor.numel() if self.fsdp_params[index].has_extension else self.fsdp_params[index].padded_numel
+                    for (index, _), tensor in zip(places, shards)
+                ]
+                cast = {"param_dtype": dtype} if any(shard.dtype != dtype for shard in shards) else {}
+                output = ops.all_gather_into(shards, padded_numels, self.world_size, self.group_name, **cast)
+                per_rank = output.view(self.world_size, -1).split(padded_numels, dim=1)
+                for (index, position), shard, chunk in zip(places, shards, per_rank):
+                    gathered[index][position] = chunk.reshape(-1, *shard.shape[1:])
+            unsharded = []
+            for fsdp_param, outputs, meta in zip(self.fsdp_params, gathered, metadata):
+                if fsdp_param.has_extension:
+                    param_dtype = _wire_dtype(fsdp_param, self.mp_policy)
+                    unsharded.append(fsdp_param.unsharded_from_extension(outputs, meta, param_dtype))
+                else:
+                    rows = _unpadded(outputs[0], fsdp_param.unsharded_shape[0])
+                    unsharded.append(fsdp_param.unsharded_from_rows(rows))
+        return unsharded
+
     def _custom_all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The unsharded parameters gathered by the custom all-gather ([Note: custom collectives])."""
+        if self.has_extensions:
+            raise NotImplementedError(
+                f"fully_shard({self.module_name}): set_custom_all_gather is not supported for a group with "
+                "all-gather extensions (fsdp_pre_all_gather)"
+            )
         outputs, rank = [], self.fsdp_params[0].rank
         for part in self.all_gather_parts:
             shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
@@ -440,22 +500,27 @@ class FSDPParamGroup:
             )
         with torch.no_grad():
             gathered = self._copy_out(outputs)
-        return self._reuse_kept(gathered)
+        return self._as_gathered(gathered)
 
-    def _reuse_kept(self, kept: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Unsharded parameters gathered earlier (or by a custom all-gather) as a new all-gather's output."""
+    def _as_gathered(self, gathered: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Unsharded parameters gathered another way as a new all-gather's outputs.
+
+        Kept from an earlier all-gather, gathered by a custom all-gather or through
+        all-gather extensions ([Note: unsharded parameters gathered outside
+        all_gather_into] in compile_shard.ops).
+        """
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
         for part in self.all_gather_parts:
             params = [self.fsdp_params[index] for index in part.indices]
-            tensors = [kept[index].detach() for index in part.indices]
+            tensors = [gathered[index].detach() for index in part.indices]
             output = tensors[0]
             if torch.is_grad_enabled() and self._takes_gradients(part):
-                # all_gather_kept's autograd node works on rows ([Note: sharding on another dim]).
+                # as_gathered's autograd node works on rows ([Note: sharding on another dim]).
                 rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
                 shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
                 options = self._all_gather_options(part)
-                rows = ops.all_gather_kept(rows, shards, part.padded_numels, self.world_size, self.group_name, *options)
+                rows = ops.as_gathered(rows, shards, part.padded_numels, self.world_size, self.group_name, *options)
                 tensors = [fsdp_param.unsharded_from_rows(row) for fsdp_param, row in zip(params, rows)]
                 output = rows[0]  # the node whose backward reduces
             outputs.append(output)
@@ -554,7 +619,7 @@ class FSDPParamGroup:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
         if self.kept_after_backward is not None:
             kept, self.kept_after_backward = self.kept_after_backward, None
-            return self._reuse_kept(kept.tensors)
+            return self._as_gathered(kept.tensors)
         if self.all_gather_comm is not None:
             return self._custom_all_gather()
         return self._all_gather()

@@ -39,6 +39,10 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   (``fsdp::reduce_scatter_input``), the all-gather output's layout, in the reduction
   dtype: the policy's ``reduce_dtype``, else the trainable parameters' wire dtype
   (``FSDPParamGroup.reduction_dtype``).
+- all-gather extension: a parameter whose local tensor is a tensor subclass with FSDP2's
+  ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``; its all-gather inputs are what
+  the first makes of the shard, and its unsharded parameter what the second makes of
+  their all-gather outputs ([Note: all-gather extensions]).
 - post-forward chunk: with ``reshard_after_forward=<int>``, the part of a group's
   all-gather output a rank keeps between forward and backward, gathered back over the
   smaller group in backward ([Note: resharding to a smaller group] in ``_group``).
@@ -62,13 +66,16 @@ it merged).
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -122,6 +129,25 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
     module.__class__ = _ATTRIBUTE_CLASSES[key]
 
 
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _has_all_gather_extension(local_tensor: torch.Tensor, fqn: str) -> bool:
+    """Whether the parameter's local tensor implements FSDP2's all-gather extension protocol."""
+    has_pre = hasattr(local_tensor, "fsdp_pre_all_gather")
+    if has_pre != hasattr(local_tensor, "fsdp_post_all_gather"):
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a {type(local_tensor).__name__} with only one of "
+            "fsdp_pre_all_gather and fsdp_post_all_gather; an all-gather extension defines both, as in FSDP2"
+        )
+    return has_pre
+
+
 class FSDPParam:
     """The sharded form of one original parameter.
 
@@ -169,6 +195,26 @@ class FSDPParam:
     parameter, whose kernels a transposed view would change, and that copy is what the
     group frees and refills. Each rank holds the same rows of dim ``d`` as in FSDP2,
     whose local tensor is contiguous where this one is a transposed view.
+
+    [Note: all-gather extensions]
+    FSDP2's protocol for tensor-subclass parameters (quantized all-gathers, float8
+    training): a local tensor with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``.
+    Before each all-gather, ``fsdp_pre_all_gather(mesh, size, stride, module,
+    mp_policy)`` makes the shard into all-gather inputs (several, of any dtypes, each of
+    the padded shard's size when the parameter is sharded unevenly) and metadata; each
+    input is gathered rank-major, and ``fsdp_post_all_gather(outputs, metadata,
+    param_dtype)`` makes the unsharded parameter of them, whose first ``rows`` rows the
+    modules compute with. The group gathers the inputs by dtype
+    (``FSDPParamGroup._gather_with_extensions``), under no_grad: nothing the transforms
+    compute is differentiated. As in FSDP2, the gradient of the unsharded parameter is
+    the sharded parameter's, straight through the two transforms: ``ops.as_gathered``
+    gives the unsharded parameter the all-gather's backward ([Note: unsharded parameters
+    gathered outside all_gather_into] in compile_shard.ops), so it is reduced like any
+    other in one reduce-scatter per group. Traced, Dynamo inlines both methods on the
+    subclass input, and the graph holds their ops beside the gathers.
+    compile_shard calls ``fsdp_post_all_gather`` without ``out=`` at every gather and
+    copies the result into the freed unsharded storage on a refill; its result must be
+    a plain tensor.
     """
 
     def __init__(
@@ -208,6 +254,7 @@ class FSDPParam:
         self.world_size = mesh.size(-1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.unsharded_shape = data.shape
+        self.contiguous_stride = _contiguous_stride(data.shape)
         self.padded_rows = padded_rows(data.size(0), self.world_size)
         self.padded_numel = self.padded_rows * math.prod(data.shape[1:])
         start = min(self.rank * self.padded_rows, data.size(0))
@@ -222,6 +269,18 @@ class FSDPParam:
         )
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
+        self.has_extension = _has_all_gather_extension(local_tensor, fqn)
+        # Read here, not in a trace: Dynamo does not trace inspect.signature. FSDP2 accepts
+        # the older form, fsdp_pre_all_gather(mesh), too.
+        self.pre_all_gather_takes_mesh_only = (
+            self.has_extension and len(inspect.signature(local_tensor.fsdp_pre_all_gather).parameters) == 1
+        )
+        if self.has_extension and (self.tp_spec is not None or shard_dim != 0):
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} has an all-gather extension (fsdp_pre_all_gather) and is "
+                + ("a DTensor" if self.tp_spec is not None else f"sharded on dim {shard_dim}")
+                + "; compile_shard supports extensions on plain parameters sharded on dim 0"
+            )
         self.unsharded_param: torch.Tensor | None = None
         # Eager only: whether backward reached an unsharded parameter since the last sharded
         # gradient, None where nothing watches ([Note: unused parameters] in passes.unused_params).
@@ -251,6 +310,50 @@ class FSDPParam:
     def all_gather_shard(self) -> torch.Tensor:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient."""
         return self.shard if self.sharded_param.requires_grad else self.shard.detach()
+
+    def extension_inputs(self, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> tuple[list[torch.Tensor], Any]:
+        """The all-gather inputs and metadata ``fsdp_pre_all_gather`` makes of the shard.
+
+        ``mesh``: the shard mesh (the shard dim's on HSDP), as FSDP2 passes it
+        ([Note: all-gather extensions]).
+        """
+        # Called on the class: Dynamo inlines a function, where it would record a method
+        # call on the tensor as one opaque node.
+        shard = self.shard.detach()
+        pre_all_gather = type(shard).fsdp_pre_all_gather
+        if self.pre_all_gather_takes_mesh_only:
+            inputs, metadata = pre_all_gather(shard, mesh)
+        else:
+            module = self.usages[0].module
+            inputs, metadata = pre_all_gather(
+                shard, mesh, self.unsharded_shape, self.contiguous_stride, module, mp_policy
+            )
+        padded_size = torch.Size((self.padded_rows, *self.unsharded_shape[1:]))
+        # FSDP2 checks this on the ranks that hold padding only, and the others then wait in
+        # the all-gather; every rank checks it here.
+        uneven = self.unsharded_shape[0] % self.world_size != 0
+        if uneven and any(tensor.size() != padded_size for tensor in inputs):
+            raise ValueError(
+                f"fully_shard: parameter {self.fqn!r} is sharded unevenly ({self.unsharded_shape[0]} rows over "
+                f"{self.world_size} ranks), so its fsdp_pre_all_gather must return all-gather inputs of the padded "
+                f"shard size {tuple(padded_size)}, as FSDP2 requires; got {[tuple(t.size()) for t in inputs]}"
+            )
+        return list(inputs), metadata
+
+    def unsharded_from_extension(
+        self, all_gather_outputs: list[torch.Tensor], metadata: Any, param_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
+        shard = self.shard.detach()
+        unsharded, _ = type(shard).fsdp_post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
+        if type(unsharded) is not torch.Tensor:
+            raise NotImplementedError(
+                f"fully_shard: fsdp_post_all_gather of parameter {self.fqn!r} returned a "
+                f"{type(unsharded).__name__} tensor; "
+                "compile_shard supports extensions whose unsharded parameter is a plain tensor (for example "
+                "dequantized to param_dtype)"
+            )
+        return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
 
     def watch_use(self, unsharded_param: torch.Tensor) -> None:
         """Records whether backward reaches ``unsharded_param`` (eager: [Note: unused parameters])."""
@@ -329,6 +432,13 @@ class FSDPParam:
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
         local_tensor = self.local_tensor
+        if self.has_extension:
+            if local_tensor.device != self.shard.device:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {self.fqn!r} has an all-gather extension; compile_shard cannot move "
+                    "such a parameter after fully_shard. Build the model on the mesh's device first"
+                )
+            return
         if (
             local_tensor.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
             and local_tensor.dtype == self.padded_shard.dtype

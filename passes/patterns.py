@@ -12,7 +12,8 @@ rewrites it:
   (``match_copy_out``); every view and copy after the all-gather output, up to the
   nodes that compute with the unsharded parameters (``copy_out_chain``,
   ``chain_readers``);
-- the shard views that feed the all-gather input (``all_gather_chain``).
+- the shard views that feed the all-gather input (``all_gather_chain``);
+- with all-gather extensions, the transforms around the all-gathers (``unshard_nodes``).
 """
 
 from __future__ import annotations
@@ -151,6 +152,39 @@ def all_gather_chain(all_gather: fx.Node) -> list[fx.Node]:
     """An ``fsdp.all_gather_into``, the shard views feeding it, and its copy-out chain."""
     shard_views = [shard for shard in all_gather.args[0] if _is_chain_node(shard)]
     return shard_views + copy_out_chain(all_gather)
+
+
+def _same_group(node: fx.Node, name: str) -> bool:
+    if node.op != "call_function":
+        return False
+    annotation = group_annotation(node)
+    return annotation is not None and annotation.name == name
+
+
+def unshard_nodes(all_gather: fx.Node) -> list[fx.Node]:
+    """``all_gather_chain`` (or, after ``lower``, the wait's copy-out chain), and every node the group's unshard
+    traced around it.
+
+    Before the all-gather, an all-gather extension's ``fsdp_pre_all_gather``; after it,
+    its ``fsdp_post_all_gather``, which may join the outputs of the group's other
+    all-gathers, and ``fsdp.as_gathered`` ([Note: all-gather extensions] in
+    ``compile_shard._param``). For a group without extensions, its all-gather chain.
+    """
+    lowered = all_gather.target is not fsdp.all_gather_into.default
+    nodes = copy_out_chain(all_gather) if lowered else all_gather_chain(all_gather)
+    annotation = group_annotation(all_gather)
+    if annotation is None:
+        return nodes
+    members = set(nodes)
+    frontier = [neighbour for node in nodes for neighbour in (*node.all_input_nodes, *node.users)]
+    while frontier:
+        node = frontier.pop()
+        if node in members or not _same_group(node, annotation.name):
+            continue
+        members.add(node)
+        nodes.append(node)
+        frontier.extend((*node.all_input_nodes, *node.users))
+    return nodes
 
 
 def gathers_saved_chunks(all_gather: fx.Node) -> bool:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from compile_shard._annotation import group_annotation
+
 from ._graph import fsdp
-from .patterns import all_gather_outputs, chain_readers, copy_out_chain, gathers_saved_chunks
+from .patterns import all_gather_outputs, chain_readers, gathers_saved_chunks, unshard_nodes
 
 def _producers(node: fx.Node) -> list[fx.Node]:
     """``node``'s call_function ancestors: the collective and its copy-in, back to the shards."""
@@ -26,17 +28,32 @@ def _producers(node: fx.Node) -> list[fx.Node]:
     return seen
 
 
+def _gathers_by_group(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The annotated all-gather outputs, those of one group (one per dtype, [Note: one all-gather per wire
+    dtype]) together, less backward's gathers from saved chunks."""
+    by_group: dict[str, list[fx.Node]] = {}
+    for all_gather_output in all_gather_outputs(graph):
+        if all_gather_output.target is fsdp.all_gather_into.default and gathers_saved_chunks(all_gather_output):
+            continue
+        by_group.setdefault(group_annotation(all_gather_output).name, []).append(all_gather_output)
+    return list(by_group.values())
+
+
 def place(graph: fx.Graph) -> int:
-    """Moves every annotated gather chain next to its first reader; returns how many moved."""
+    """Moves every group's annotated gather chains next to their first reader; returns how many moved.
+
+    A group's all-gathers move together: an all-gather extension's transform may read
+    the outputs of several ([Note: all-gather extensions] in ``compile_shard._param``).
+    """
     order = {node: index for index, node in enumerate(graph.nodes)}
     moved = 0
-    for all_gather_output in all_gather_outputs(graph):
-        chain = set(_producers(all_gather_output)) | set(copy_out_chain(all_gather_output))
+    for group_outputs in _gathers_by_group(graph):
+        chain = set()
+        for all_gather_output in group_outputs:
+            chain |= set(_producers(all_gather_output)) | set(unshard_nodes(all_gather_output))
         readers = chain_readers(list(chain))
         if not readers or any(reader.op == "output" for reader in readers):
             continue  # gathered parameters leave the graph (a graph break): leave them be
-        if all_gather_output.target is fsdp.all_gather_into.default and gathers_saved_chunks(all_gather_output):
-            continue  # backward's gather from a saved chunk
         first_reader = min(readers, key=order.__getitem__)
         ordered_chain = sorted(chain, key=order.__getitem__)
         if order[ordered_chain[-1]] + 1 == order[first_reader] and all(

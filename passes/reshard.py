@@ -4,7 +4,8 @@
 The partitioner keeps a collective's output alive for backward unless told
 otherwise, which would keep every unsharded parameter in memory. For a group with
 ``reshard_after_forward=True`` this pass tags the all-gather, the shard views that
-feed it and the whole single-input copy-out chain after it ``MUST_RECOMPUTE``
+feed it and the whole single-input copy-out chain after it ``MUST_RECOMPUTE``, and
+with all-gather extensions the transforms around it (``patterns.unshard_nodes``)
 (with an ``ac_graph_id`` of the group's own): the forward then saves only the
 shards, and backward runs the chain again. Tagging only the all-gather is not
 enough: the partitioner would save the first view after it instead. For
@@ -31,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compile_shard._annotation import group_annotation
 
 from ._graph import NodeInserter, ac_graph_id, fsdp
-from .patterns import all_gather_chain, chain_readers, copy_out_chain
+from .patterns import chain_readers, copy_out_chain, unshard_nodes
 
 aten = torch.ops.aten
 
@@ -120,7 +121,7 @@ def reshard(graph: fx.Graph) -> int:
         annotation = group_annotation(node)
         if annotation is None:
             continue
-        chain = all_gather_chain(node)
+        chain = unshard_nodes(node)
         if outputs.intersection(chain):
             continue
         if annotation.reshard_after_forward:

@@ -784,6 +784,65 @@ def test_place_moves_the_gather_chain_next_to_its_first_reader():
     assert place(graph_module.graph) == 0  # already in place: nothing to do
 
 
+def _gather_extension(shard, bias, x):
+    """A group whose weight has an all-gather extension, traced as the runtime traces it.
+
+    ``fsdp_pre_all_gather`` makes int8 rows and a scale per row of the shard, each dtype
+    is gathered apart (the scale with the bias), ``fsdp_post_all_gather`` joins the two
+    outputs, and ``fsdp.as_gathered`` gives the results the all-gather's backward.
+    """
+    scale = shard.abs().amax(dim=1, keepdim=True) / 127
+    rows = torch.round(shard / scale).to(torch.int8)
+    h = (x * 2).relu()
+    gathered_rows = torch.ops.fsdp.all_gather_into([rows], [8], WORLD, GROUP)
+    gathered_scales = torch.ops.fsdp.all_gather_into([scale, bias], [2, 2], WORLD, GROUP)
+    scales, gathered_bias = gathered_scales.view(WORLD, -1).split([2, 2], dim=1)
+    weight = gathered_rows.view(WORLD, -1).reshape(-1, 4).to(torch.float32) * scales.reshape(-1, 1)
+    weight, bias = torch.ops.fsdp.as_gathered([weight, gathered_bias.reshape(-1)], [shard, bias], [8, 2], WORLD, GROUP)
+    return h @ weight.t() + bias
+
+
+_COMPUTE = {aten.mul.Tensor, aten.relu.default, aten.t.default, aten.mm.default, aten.add.Tensor}
+
+
+def _extension_graph():
+    """``_gather_extension``, each node of the unshard annotated with the group (the compute is not)."""
+    graph_module = trace(_gather_extension, torch.randn(2, 4), torch.randn(2), torch.randn(3, 4))
+    nodes = list(graph_module.graph.nodes)
+    h = next(node for node in nodes if node.target is aten.relu.default)
+    joined = next(node for node in nodes if node.target is aten.mul.Tensor and node is not h.args[0])
+    for node in nodes:
+        if node.op == "call_function" and (node.target not in _COMPUTE or node is joined):
+            write_group_annotation(node, make_annotation("blocks.0"))
+    return graph_module, joined
+
+
+def test_reshard_recomputes_an_all_gather_extensions_transforms():
+    graph_module, joined = _extension_graph()
+    assert reshard(graph_module.graph) == 2
+    tagged = {n for n in graph_module.graph.nodes if n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE}
+    unshard = {n for n in graph_module.graph.nodes if group_annotation(n) is not None}
+    assert tagged == unshard and joined in tagged
+    assert {n.target for n in tagged} >= {aten.amax.default, fsdp.as_gathered.default, aten._to_copy.default}
+
+
+def test_place_moves_a_groups_gathers_and_transforms_together():
+    from compile_shard.passes import place
+
+    graph_module, joined = _extension_graph()
+    lower(graph_module.graph)
+    assert place(graph_module.graph) == 1
+    nodes = list(graph_module.graph.nodes)
+    relu = next(n for n in nodes if n.target is aten.relu.default)
+    matmul = next(n for n in nodes if n.target is aten.mm.default)
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    (as_gathered,) = [n for n in nodes if n.target is fsdp.as_gathered.default]
+    assert len(gathers) == 2
+    assert all(nodes.index(relu) < nodes.index(n) < nodes.index(matmul) for n in (*gathers, joined, as_gathered))
+    verify(graph_module.graph)
+    assert place(graph_module.graph) == 0
+
+
 def test_place_leaves_gathers_that_leave_the_graph():
     from compile_shard.passes import place
 

@@ -10,9 +10,9 @@ One module per job; importing this package registers every op:
 
 - ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
-  ``post_forward_chunk``, and, eager only, ``all_gather_kept`` (``all_gather_into``'s
-  autograd for unsharded parameters kept from an earlier all-gather) and
-  ``all_gather_with`` (an all-gather by a custom comm object);
+  ``post_forward_chunk``, ``as_gathered`` (``all_gather_into``'s autograd for unsharded
+  parameters gathered another way) and, eager only, ``all_gather_with`` (an all-gather
+  by a custom comm object);
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
   ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
 - ``storage``: ``set_``, ``resize_storage_``;
@@ -41,10 +41,10 @@ none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 from . import transport
 from .all_gather import (
     all_gather_into,
-    all_gather_kept,
     all_gather_params_,
     all_gather_with,
     all_gather_send_recv_,
+    as_gathered,
     post_forward_chunk,
 )
 from .backend import gathers_by_send_recv, reduces_by_all_to_all
@@ -60,10 +60,10 @@ from .storage import resize_storage_, set_
 
 __all__ = [
     "all_gather_into",
-    "all_gather_kept",
     "all_gather_with",
     "all_gather_params_",
     "all_gather_send_recv_",
+    "as_gathered",
     "post_forward_chunk",
     "all_to_all_grads_",
     "all_to_all_into_",

@@ -21,12 +21,20 @@ from .checks import _check_same_dtype
 from .library import _lib, register_kernels
 from .transport import _Exchange, _padded_flat
 
-_lib.define(
-    "all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, "
-    "str group_name, str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
+# The options of the gradient reduction both differentiable gathers take (``_Options``).
+_REDUCTION_OPTIONS = (
+    "str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
-    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None) -> Tensor"
+    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None"
+)
+_lib.define(
+    f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
+    f"{_REDUCTION_OPTIONS}) -> Tensor"
+)
+_lib.define(
+    f"as_gathered(Tensor[] unsharded, Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
+    f"{_REDUCTION_OPTIONS}) -> Tensor[]"
 )
 _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
@@ -223,7 +231,7 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
 # makes the collectives' buffers and whose call runs the collective, called as FSDP2
 # calls them (the all-gather input is this rank's slice of the output; the
 # reduce-scatter's input is allocated and copied into). Eager mode only: a custom
-# all-gather runs outside ``all_gather_into`` and ``all_gather_kept`` gives its output
+# all-gather runs outside ``all_gather_into`` and ``as_gathered`` gives its output
 # the all-gather's autograd; a custom reduce-scatter replaces ``reduce_scatter_grad``
 # in ``reduce_unsharded_grad``, found on the autograd node like the all-reduce hook.
 
@@ -266,43 +274,59 @@ def _reduce_scatter_with(comm, unsharded_grad, world_size: int, group_name: str,
     return output
 
 
-class _KeptAllGather(torch.autograd.Function):
-    """``all_gather_into``'s autograd for unsharded parameters kept from an earlier all-gather (eager only).
-
-    [Note: unsharded parameters kept after backward]
-    FSDP2's ``set_reshard_after_backward(False)`` keeps a group's unsharded parameters
-    after backward, and the next forward computes with them instead of all-gathering.
-    Their autograd node belongs to the forward that gathered them, whose backward has
-    run, with that forward's reduction options. This function gives copies of them a
-    node of the next forward instead, whose backward lays their gradients out as the
-    all-gather output's and reduces them as ``all_gather_into``'s backward does
-    (``reduce_unsharded_grad``), with the options of now. The copies cost one memory
-    copy of the group, less than the all-gather they replace.
-    """
-
-    @staticmethod
-    def forward(ctx, layout, *kept_and_shards):
-        padded_numels, world_size, group_name, options = layout
-        count = len(kept_and_shards) // 2
-        kept, shards = kept_and_shards[:count], kept_and_shards[count:]
-        _all_gather_into_setup_context(ctx, (shards, padded_numels, world_size, group_name, *options), None)
-        return tuple(tensor.clone() for tensor in kept)
-
-    @staticmethod
-    def backward(ctx, *unsharded_grads):
-        unsharded_grad = torch.ops.fsdp.reduce_scatter_input(list(unsharded_grads), ctx.world_size)
-        return None, *[None] * len(unsharded_grads), *reduce_unsharded_grad(ctx, unsharded_grad)
+# as_gathered -------------------------------------------------------------------------
+# [Note: unsharded parameters gathered outside all_gather_into]
+# Some unsharded parameters do not come out of ``all_gather_into``, yet their gradients
+# must be reduced as its backward reduces them:
+# - FSDP2's ``set_reshard_after_backward(False)`` keeps a group's unsharded parameters
+#   after backward, and the next forward computes with them instead of all-gathering.
+#   Their autograd node belongs to the forward that gathered them, whose backward has
+#   run, with that forward's reduction options.
+# - A custom all-gather ([Note: custom collectives]) runs outside any op.
+# - An all-gather extension ([Note: all-gather extensions] in compile_shard._param)
+#   gathers what ``fsdp_pre_all_gather`` made of the shard, not the shard, and its
+#   ``fsdp_post_all_gather`` builds the unsharded parameter: FSDP2 gives that tensor's
+#   gradient to the sharded parameter, straight through the two transforms.
+# ``as_gathered(unsharded, shards, ...)`` returns copies of ``unsharded`` (detached, as
+# rows) with a node of this forward, whose backward lays their gradients out as the
+# all-gather output's and reduces them as ``all_gather_into``'s backward does
+# (``reduce_unsharded_grad``), with the options of now, into ``shards``' gradients. The
+# copies cost one memory copy of the parameters (an op cannot return its input), less
+# than an all-gather. As a registered op it traces like ``all_gather_into``: the
+# compiled backward holds the same reduction, which the passes lower.
 
 
-def all_gather_kept(
-    kept: Sequence[torch.Tensor], shards: Sequence[torch.Tensor], padded_numels, world_size, group_name, *options
-) -> tuple[torch.Tensor, ...]:
-    """Copies of ``kept`` (unsharded parameters, detached) as if ``all_gather_into`` had gathered them from ``shards``.
+def _check_as_gathered(unsharded, shards, padded_numels) -> None:
+    _check_shards(shards, padded_numels)
+    torch._check(
+        len(unsharded) == len(shards),
+        lambda: f"fsdp::as_gathered got {len(unsharded)} unsharded tensors but {len(shards)} shards",
+    )
 
-    See [Note: unsharded parameters kept after backward]; a custom all-gather's output
-    takes the same way ([Note: custom collectives]).
-    """
-    return _KeptAllGather.apply((padded_numels, world_size, group_name, options), *kept, *shards)
+
+def _as_gathered_kernel(unsharded, shards, padded_numels, world_size, group_name, *options):
+    _check_as_gathered(unsharded, shards, padded_numels)
+    return [tensor.clone(memory_format=torch.contiguous_format) for tensor in unsharded]
+
+
+def _as_gathered_meta(unsharded, shards, padded_numels, world_size, group_name, *options):
+    _check_as_gathered(unsharded, shards, padded_numels)
+    return [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in unsharded]
+
+
+def _as_gathered_setup_context(ctx, inputs, output):
+    ctx.unsharded = [(tensor.shape, tensor.dtype, tensor.device) for tensor in inputs[0]]
+    _all_gather_into_setup_context(ctx, inputs[1:], output)
+
+
+def _as_gathered_backward(ctx, unsharded_grads):
+    unsharded_grads = [
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+        for grad, (shape, dtype, device) in zip(unsharded_grads, ctx.unsharded)
+    ]
+    unsharded_grad = torch.ops.fsdp.reduce_scatter_input(unsharded_grads, ctx.world_size)
+    shard_grads = reduce_unsharded_grad(ctx, unsharded_grad)
+    return [None] * len(unsharded_grads), shard_grads, *[None] * (len(ctx.needs_input_grad) - 2)
 
 
 # post_forward_chunk ------------------------------------------------------------------
@@ -401,6 +425,7 @@ def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size,
 
 
 register_kernels("all_gather_into", _all_gather_into_kernel, _all_gather_into_meta)
+register_kernels("as_gathered", _as_gathered_kernel, _as_gathered_meta)
 register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_params_meta)
 register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
 register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward_chunk_meta)
@@ -408,8 +433,12 @@ register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
 )
+torch.library.register_autograd(
+    "fsdp::as_gathered", _as_gathered_backward, setup_context=_as_gathered_setup_context, lib=_lib
+)
 
 all_gather_into = torch.ops.fsdp.all_gather_into.default
 all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
+as_gathered = torch.ops.fsdp.as_gathered.default
 all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
 post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default
