@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
@@ -178,7 +179,7 @@ class UnshardedParams:
         self.tensors = tensors
         # [Note: resharding to a smaller group]: what backward gathers from, instead of the shards.
         self.post_forward_chunks = post_forward_chunks
-        self.storage_nbytes = [t.untyped_storage().nbytes() for t in tensors]
+        self.storage_nbytes = [[leaf.untyped_storage().nbytes() for leaf in _storage_leaves(t)] for t in tensors]
         nodes = [out.grad_fn for out in all_gather_outputs if out.grad_fn is not None]
         self.takes_gradients = bool(nodes)
         # The node whose backward ends the group's backward: the all-gather's, where every
@@ -194,19 +195,36 @@ class UnshardedParams:
         if self.is_freed:
             return
         for tensor in self.tensors:
-            ops.resize_storage_(tensor, 0)
+            for leaf in _storage_leaves(tensor):
+                ops.resize_storage_(leaf, 0)
         self.is_freed = True
 
     def refill(self, fresh: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for tensor, nbytes, values in zip(self.tensors, self.storage_nbytes, fresh):
-                ops.resize_storage_(tensor, nbytes)
-                with torch.autograd._unsafe_preserve_version_counter(tensor):
-                    tensor.copy_(values)
+                for leaf, leaf_nbytes, leaf_values in zip(_storage_leaves(tensor), nbytes, _storage_leaves(values)):
+                    ops.resize_storage_(leaf, leaf_nbytes)
+                    with torch.autograd._unsafe_preserve_version_counter(leaf):
+                        leaf.copy_(leaf_values)
         self.is_freed = False
 
     def live_bytes(self) -> int:
-        return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in self.tensors}.values())
+        storages = [leaf.untyped_storage() for tensor in self.tensors for leaf in _storage_leaves(tensor)]
+        return sum({id(storage): storage.nbytes() for storage in storages}.values())
+
+
+def _storage_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose storage holds ``tensor``: itself, or a tensor subclass's inner tensors.
+
+    An all-gather extension's unsharded parameter may be a tensor subclass (torchao's
+    float8 weights); its storage is its inner tensors', which free and refill reach
+    through ``__tensor_flatten__``. A fresh gather of the same subclass has the same
+    inner tensors, so a refill copies each into its counterpart.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [leaf for name in names for leaf in _storage_leaves(getattr(tensor, name))]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -520,9 +538,17 @@ class FSDPParamGroup:
                 rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
                 shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
                 options = self._all_gather_options(part)
-                rows = ops.as_gathered(rows, shards, part.padded_numels, self.world_size, self.group_name, *options)
+                # An all-gather extension's unsharded tensor subclass (torchao's float8 weights) in eager mode.
+                subclass = any(type(row) is not torch.Tensor for row in rows)
+                as_gathered = ops.as_gathered_views if subclass else ops.as_gathered
+                gathered_rows = as_gathered(
+                    rows, shards, part.padded_numels, self.world_size, self.group_name, *options
+                )
+                output = gathered_rows[0]  # the node whose backward reduces
+                # A view each: a node of its own per parameter, which backward runs only where the forward
+                # used it, as the copy-out's views ([Note: unused parameters] in passes.unused_params).
+                rows = [row.view_as(row) for row in gathered_rows]
                 tensors = [fsdp_param.unsharded_from_rows(row) for fsdp_param, row in zip(params, rows)]
-                output = rows[0]  # the node whose backward reduces
             outputs.append(output)
             for index, tensor in zip(part.indices, tensors):
                 unsharded[index] = tensor

@@ -213,8 +213,11 @@ class FSDPParam:
     other in one reduce-scatter per group. Traced, Dynamo inlines both methods on the
     subclass input, and the graph holds their ops beside the gathers.
     compile_shard calls ``fsdp_post_all_gather`` without ``out=`` at every gather and
-    copies the result into the freed unsharded storage on a refill; its result must be
-    a plain tensor.
+    copies the result into the freed unsharded storage on a refill. Where the result is
+    a tensor subclass (torchao's float8 weights), eager mode frees and refills its inner
+    tensors (``_group._storage_leaves``) and gives it the all-gather's backward as views
+    (``ops.as_gathered_views``); a compiled graph refuses it: Dynamo traces the
+    gradient of such a view as the subclass, which the reduction cannot take.
     """
 
     def __init__(
@@ -346,12 +349,12 @@ class FSDPParam:
         """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
         shard = self.shard.detach()
         unsharded, _ = type(shard).fsdp_post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
-        if type(unsharded) is not torch.Tensor:
+        if type(unsharded) is not torch.Tensor and torch.compiler.is_compiling():
             raise NotImplementedError(
                 f"fully_shard: fsdp_post_all_gather of parameter {self.fqn!r} returned a "
-                f"{type(unsharded).__name__} tensor; "
-                "compile_shard supports extensions whose unsharded parameter is a plain tensor (for example "
-                "dequantized to param_dtype)"
+                f"{type(unsharded).__name__} tensor; compile_shard's compiled graphs support extensions whose "
+                "unsharded parameter is a plain tensor (for example dequantized to param_dtype). Eager mode runs "
+                "this one: call the model without torch.compile"
             )
         return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
 

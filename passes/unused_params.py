@@ -16,7 +16,9 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
   used the parameter, which FSDP2 cannot reduce either: it raises there, naming the
   parameter and ``set_reduce_scatter_unused_params(True)``.
 - compiled: autograd fills an unused parameter's part of the reduction input with a
-  ``zeros`` node of the rank-major piece's shape, which no used gradient is. This
+  ``zeros`` node of the rank-major piece's shape (of the parameter's, in the
+  ``fsdp.reduce_scatter_input`` of ``fsdp.as_gathered``'s backward), which no used
+  gradient is. This
   pass finds such pieces and returns ``None`` as that parameter's gradient, so
   AOTAutograd's backward gives it none. Ranks whose graphs use different parameters
   are not detected here: as in FSDP2, they need ``set_reduce_scatter_unused_params(True)``.
@@ -36,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from compile_shard._annotation import group_annotation
+from compile_shard._layout import padded_rows
 
 from ._graph import VIEWS, c10d, cast_dtype, fsdp
 
@@ -48,21 +51,36 @@ _ZEROS = (aten.zeros.default, aten.full.default)
 _ELEMENTWISE = (aten.div.Tensor, c10d.all_reduce.default, c10d.wait_tensor.default)
 
 
-def _rank_major_pieces(unsharded_grad: fx.Node) -> list[fx.Node] | None:
-    """The ``[world_size, padded_numel]`` pieces a reduction input concatenates, one per parameter, or None."""
+def _pieces(unsharded_grad: fx.Node) -> list[tuple[fx.Node, int]] | None:
+    """Per parameter, the node a reduction input lays out and its numel per rank, or None.
+
+    Autograd's spelling of the input (the ``[world_size, padded_numel]`` pieces a ``cat``
+    joins), or ``fsdp.reduce_scatter_input`` of the unsharded gradients, as
+    ``fsdp.as_gathered``'s backward spells it.
+    """
     node = unsharded_grad
     while node.op == "call_function" and (cast_dtype(node) is not None or node.target is aten.mul.Tensor):
         node = node.args[0]  # the mixed-precision cast, the pre-multiplication
+    if node.target is fsdp.reduce_scatter_input.default:
+        gradients, world_size = node.args[:2]
+        shapes = [gradient.meta["val"].shape for gradient in gradients]
+        return [
+            (gradient, padded_rows(shape[0], world_size) * shape[1:].numel())
+            for gradient, shape in zip(gradients, shapes)
+        ]
     if node.target not in VIEWS or node.meta["val"].dim() != 1:
         return None
     concatenated = node.args[0]
     if concatenated.target is not aten.cat.default or concatenated.args[1:] != (1,):
         return None
-    return list(concatenated.args[0])
+    pieces = concatenated.args[0]
+    if any(piece.meta["val"].dim() != 2 for piece in pieces):
+        return None
+    return [(piece, piece.meta["val"].shape[1]) for piece in pieces]
 
 
 def _is_zeros(piece: fx.Node) -> bool:
-    if piece.target not in _ZEROS or piece.meta["val"].dim() != 2:
+    if piece.target not in _ZEROS:
         return False
     return piece.target is aten.zeros.default or piece.args[1] == 0
 
@@ -80,11 +98,11 @@ def _sharded_grads_split(reduce_scatter: fx.Node) -> fx.Node | None:
     return None
 
 
-def _one_piece_per_shard(pieces: list[fx.Node], split: fx.Node) -> bool:
+def _one_piece_per_shard(pieces: list[tuple[fx.Node, int]], split: fx.Node) -> bool:
     """Whether piece ``i`` of the reduction input is what split ``i`` of its output reduces."""
     sizes = split.args[1]
     return len(pieces) == len(sizes) and all(
-        isinstance(size, int) and piece.meta["val"].shape[1:] == (size,) for piece, size in zip(pieces, sizes)
+        isinstance(size, int) and numel == size for (_, numel), size in zip(pieces, sizes)
     )
 
 
@@ -108,12 +126,12 @@ def unused_params(graph: fx.Graph) -> int:
         annotation = group_annotation(reduce_scatter)
         if annotation is None or annotation.reduce_scatter_unused_params:
             continue
-        pieces = _rank_major_pieces(reduce_scatter.args[0])
+        pieces = _pieces(reduce_scatter.args[0])
         split = _sharded_grads_split(reduce_scatter)
         if pieces is None or split is None or not _one_piece_per_shard(pieces, split):
             continue
         for getitem in list(split.users):
-            if getitem.target is not operator.getitem or not _is_zeros(pieces[getitem.args[1]]):
+            if getitem.target is not operator.getitem or not _is_zeros(pieces[getitem.args[1]][0]):
                 continue
             chain = _graph_output_of(getitem, output)
             if chain is None:

@@ -5,7 +5,9 @@ inputs, its rows rounded to int8 and one fp32 scale per row, with the int8 range
 metadata; ``fsdp_post_all_gather`` dequantizes them into ``param_dtype``, and the
 weight's gradient goes straight through, as FSDP2 gives it ([Note: all-gather
 extensions] in compile_shard/_param.py). torch FSDP2 runs the same subclass on the same
-model and data in every parity test.
+model and data in every parity test. torchao's float8 training weights, whose
+unsharded parameter is itself a tensor subclass, run eagerly against FSDP2 where
+torchao is installed (the ``float8`` extra).
 """
 
 from collections import Counter
@@ -32,6 +34,7 @@ from dist_utils import (
     run_gloo,
     step_optimizers_and_compare,
 )
+from test_unused_params import Branchy
 
 aten = torch.ops.aten
 # Every block's weights shard evenly at 2 and 3 ranks: an unevenly sharded parameter's
@@ -80,9 +83,9 @@ class Int8Rows(torch.Tensor):
     def __tensor_flatten__(self):
         return ["_data"], None
 
-    @staticmethod
-    def __tensor_unflatten__(inner, metadata, outer_size, outer_stride):
-        return Int8Rows(inner["_data"])
+    @classmethod
+    def __tensor_unflatten__(cls, inner, metadata, outer_size, outer_stride):
+        return cls(inner["_data"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -208,6 +211,42 @@ def test_aot_eager_matches_torch_fsdp2_in_one_graph():
     run_gloo(_compiled_worker, 2)
 
 
+def _build_branchy(shard):
+    """test_unused_params' model with skipped branches and an unused head, its blocks' weights ``Int8Rows``."""
+    torch.manual_seed(0)
+    model = Branchy()
+    for module in model.blocks.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(Int8Rows(module.weight.data))
+    for block in model.blocks:
+        shard(block)
+    shard(model)
+    return model
+
+
+def _unused_worker(rank, world_size):
+    """A weight the forward leaves unused gets no gradient, as in FSDP2, eager and compiled."""
+    theirs, ours, compiled_model = (_build_branchy(shard) for shard in (torch_fully_shard, fully_shard, fully_shard))
+    models = (theirs, ours, compiled_model)
+    runs = (theirs, ours, torch.compile(compiled_model, backend="aot_eager", fullgraph=True))
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) for model in models]
+    for step in range(2):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        for run in runs:
+            run(x).square().mean().backward()
+        for model in models[1:]:
+            for (name, param), other in zip(model.named_parameters(), theirs.parameters()):
+                assert (param.grad is None) == (other.grad is None), (name, model is compiled_model)
+                if other.grad is not None:
+                    torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+        step_optimizers_and_compare(optimizers, models[1:], theirs)
+    assert theirs.blocks[0].skipped.weight.grad is None
+
+
+def test_unused_parameters_get_no_gradient_as_in_torch_fsdp2():
+    run_gloo(_unused_worker, 2)
+
+
 @pytest.fixture
 def fake_pg():
     with FakeProcessGroup(2):
@@ -250,10 +289,47 @@ def test_the_older_pre_all_gather_signature_gets_the_mesh(fake_pg):
     assert len(_MeshOnly.calls) == 2 * linears and Counter(mesh.size() for mesh in _MeshOnly.calls) == {2: 2 * linears}
 
 
-def test_an_unsharded_subclass_is_refused_naming_the_parameter(fake_pg):
+def test_an_unsharded_tensor_subclass_trains_eagerly_and_is_refused_compiled(fake_pg):
+    """Eager mode frees and refills a tensor subclass through its inner tensors; a compiled graph refuses it.
+
+    Without ``fullgraph=True`` Dynamo runs the refused gather eagerly around a graph
+    break, which ``ShardedGraphBreakWarning`` reports.
+    """
     model = build(fully_shard, subclass=_SubclassOut)
-    with pytest.raises(NotImplementedError, match=r"parameter 'layers.0.attention.wq.weight' returned a Int8Rows tensor"):
-        model(torch.zeros(1, 8, dtype=torch.long))
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    lm_loss(model, tokens).backward()
+    assert all(param.grad is not None for param in model.parameters())
+    with pytest.raises(Exception, match=r"parameter 'layers.0.attention.wq.weight' returned a Int8Rows tensor"):
+        lm_loss(torch.compile(model, backend="aot_eager", fullgraph=True), tokens)
+
+
+def _torchao_worker(rank, world_size):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def build_float8(shard):
+        torch.manual_seed(0)
+        model = Llama(CONFIG)
+        for block in model.layers:
+            convert_to_float8_training(block, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+            shard(block)
+        shard(model)
+        return model
+
+    ours, theirs = build_float8(fully_shard), build_float8(torch_fully_shard)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (ours, theirs)]
+    for step in range(3):
+        tokens = _tokens(step, rank, world_size)
+        (our_counts, our_bytes), (their_counts, their_bytes) = (counted_step(m, tokens) for m in (ours, theirs))
+        # float8 weights on the wire, and the scales' amax all-reduces, as in FSDP2.
+        assert our_bytes == their_bytes and our_counts["all_reduce"] == their_counts["all_reduce"] > 0
+        assert_gradients_match(ours, theirs)
+        step_optimizers_and_compare(optimizers, [ours], theirs)
+
+
+def test_torchao_float8_all_gather_matches_torch_fsdp2_eagerly():
+    """torchao's float8 training weights: their fsdp_post_all_gather returns a tensor subclass."""
+    pytest.importorskip("torchao.float8", reason="torchao is optional: pip install -e '.[float8]'")
+    run_gloo(_torchao_worker, 2)
 
 
 def test_uneven_inputs_of_another_size_raise(fake_pg):

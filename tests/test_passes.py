@@ -537,6 +537,29 @@ def test_unused_params_leaves_gradients_that_may_be_nonzero_or_were_asked_for(jo
     assert _code(graph_module) == before and None not in _outputs(graph_module)
 
 
+def _as_gathered_backward(weight_grad, bias_grad):
+    """``fsdp.as_gathered``'s backward for the same group: the unsharded gradients into ``reduce_scatter_input``."""
+    unsharded_grad = torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], WORLD)
+    weight_shard_grad, bias_shard_grad = (torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, WORLD, GROUP) / 2).split(
+        [12, 2]
+    )
+    return weight_shard_grad[:8].view(2, 4), bias_shard_grad[:1].view(1)
+
+
+@pytest.mark.parametrize("bias_used", [False, True])
+def test_unused_params_reads_the_reduction_input_of_as_gathered(bias_used):
+    def fn(weight_grad, bias_grad):
+        return _as_gathered_backward(weight_grad, bias_grad if bias_used else torch.zeros(3))
+
+    graph_module = trace(fn, torch.randn(5, 4), torch.randn(3))
+    (reduction,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
+    write_group_annotation(reduction, make_annotation("block"))
+    weight_grad = _outputs(graph_module)[0]
+    assert unused_params(graph_module.graph) == (0 if bias_used else 1)
+    assert _outputs(graph_module)[0] is weight_grad and (_outputs(graph_module)[1] is None) != bias_used
+    verify(graph_module.graph)
+
+
 # copy_out --------------------------------------------------------------------------
 
 

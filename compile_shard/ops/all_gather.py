@@ -329,6 +329,27 @@ def _as_gathered_backward(ctx, unsharded_grads):
     return [None] * len(unsharded_grads), shard_grads, *[None] * (len(ctx.needs_input_grad) - 2)
 
 
+class _AsGatheredViews(torch.autograd.Function):
+    """``as_gathered`` for tensor subclasses, which an op's kernel cannot take (eager only): views, not copies."""
+
+    @staticmethod
+    def forward(ctx, layout, *unsharded_and_shards):
+        count = len(unsharded_and_shards) // 2
+        unsharded, shards = unsharded_and_shards[:count], unsharded_and_shards[count:]
+        _as_gathered_setup_context(ctx, (unsharded, shards, *layout), None)
+        return tuple(tensor.view_as(tensor) for tensor in unsharded)
+
+    @staticmethod
+    def backward(ctx, *unsharded_grads):
+        _, shard_grads, *_ = _as_gathered_backward(ctx, list(unsharded_grads))
+        return None, *[None] * len(unsharded_grads), *shard_grads
+
+
+def as_gathered_views(unsharded, shards, padded_numels, world_size, group_name, *options) -> tuple[torch.Tensor, ...]:
+    """``as_gathered`` as views of ``unsharded``, for tensor subclasses (an all-gather extension's, eager only)."""
+    return _AsGatheredViews.apply((padded_numels, world_size, group_name, *options), *unsharded, *shards)
+
+
 # post_forward_chunk ------------------------------------------------------------------
 # A copy of chunk ``rank`` of ``size`` equal chunks of an all-gather output: what a rank
 # keeps after forward when it reshards to a smaller group ([Note: resharding to a
