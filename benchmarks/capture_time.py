@@ -1,0 +1,132 @@
+"""How the time to capture one training step grows with depth, inlined and with compile regions.
+
+    python benchmarks/capture_time.py                          # 8, 16, 32 and 64 layers
+    python benchmarks/capture_time.py --layers 8,16 --rounds 2 --json capture.json
+
+A Llama (dim 64) sharded per block on rank 0 of a fake process group of 8, captured by
+``compile_shard.dry_run.capture_step``: Dynamo, AOTAutograd with the min-cut
+partitioner and the pass suite, as Inductor would see them, without Inductor's code
+generation (``cold_start.py`` measures a whole cold step). Each depth and mode runs in
+a fresh process, so no capture reuses another's caches; the rounds alternate them, as
+this machine's speed drifts within an hour, and the table holds the median per depth
+and mode: the capture's seconds, the part of them the pass suite took, and the ratio
+to the smallest depth of the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = {"inlined": False, "regions": True}
+
+
+def capture_seconds(layers: int, regions: bool) -> dict[str, float]:
+    """One capture in this process: its seconds, and those of the pass suite within it."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from compile_shard import dry_run, fully_shard, passes
+    from compile_shard.models import Llama, LlamaConfig
+
+    suite_seconds = 0.0
+
+    def timed(function):
+        def call(*args, **kwargs):
+            nonlocal suite_seconds
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                suite_seconds += time.perf_counter() - start
+
+        return call
+
+    # The joint-graph suite, as the installed hook calls it, and the partitioned one, as the capture calls it.
+    install = importlib.import_module("compile_shard.passes.install")  # the module, not passes.install()
+    install.run_suite = timed(install.run_suite)
+    dry_run.run_partitioned_suite = timed(dry_run.run_partitioned_suite)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        config = LlamaConfig(n_layers=layers)
+        torch.manual_seed(0)
+        model = Llama(config)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
+        tokens = torch.randint(0, config.vocab_size, (2, 17))
+
+        def loss_fn(compiled):
+            logits = compiled(tokens[:, :-1])
+            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+        with passes.overridden(compile_regions=regions):
+            start = time.perf_counter()
+            dry_run.capture_step(model, loss_fn)
+            seconds = time.perf_counter() - start
+    finally:
+        dist.destroy_process_group()
+    return {"capture_s": seconds, "passes_s": suite_seconds}
+
+
+def _in_fresh_process(layers: int, regions: bool) -> dict[str, float]:
+    command = [sys.executable, __file__, "--one", str(layers), "--regions" if regions else "--inlined"]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    if finished.returncode != 0:
+        raise RuntimeError(f"capturing {layers} layers failed:\n{finished.stderr[-4000:]}")
+    return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="8,16,32,64", help="comma-separated depths")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {sorted(MODES)}")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", help="also write the table here")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a worker: one capture, JSON on stdout
+    parser.add_argument("--regions", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--inlined", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(capture_seconds(args.one, args.regions)))
+        return
+    depths = [int(layers) for layers in args.layers.split(",")]
+    modes = args.modes.split(",")
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for layers in depths:
+            for mode in modes:
+                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, MODES[mode]))
+    rows = []
+    for mode in modes:
+        smallest = None
+        for layers in depths:
+            capture = statistics.median(run["capture_s"] for run in runs[mode, layers])
+            smallest = smallest or capture
+            rows.append(
+                {
+                    "mode": mode,
+                    "layers": layers,
+                    "capture_s": round(capture, 2),
+                    "passes_s": round(statistics.median(run["passes_s"] for run in runs[mode, layers]), 2),
+                    "vs_smallest": round(capture / smallest, 2),
+                }
+            )
+    print("| mode | layers | capture (s) | pass suite (s) | vs the smallest depth |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row['mode']} | {row['layers']} | {row['capture_s']} | {row['passes_s']} | {row['vs_smallest']}x |")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"world_size": 8, "dim": 64, "rounds": args.rounds, "rows": rows}, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
