@@ -18,9 +18,8 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
 - compiled: autograd fills an unused parameter's part of the reduction input with a
   ``zeros`` node of the rank-major piece's shape (of the parameter's, in the
   ``fsdp.reduce_scatter_input`` of ``fsdp.as_gathered``'s backward), which no used
-  gradient is. This
-  pass finds such pieces and returns ``None`` as that parameter's gradient, so
-  AOTAutograd's backward gives it none. Ranks whose graphs use different parameters
+  gradient is. This pass finds such pieces and returns ``None`` as that parameter's
+  gradient, so AOTAutograd's backward gives it none. Ranks whose graphs use different parameters
   are not detected here: as in FSDP2, they need ``set_reduce_scatter_unused_params(True)``.
 
 The zeros still travel in the reduce-scatter, where FSDP2 leaves them out: the bytes
