@@ -36,6 +36,7 @@ SLOWEST_FILES = (
     "test_parity.py",
     "test_tensor_parallel.py",
     "test_hsdp.py",
+    "test_all_gather_extensions.py",
     "test_gradient_sync.py",
     "test_reshard_to_a_smaller_group.py",
     "test_examples.py",

@@ -41,6 +41,7 @@ aten = torch.ops.aten
 # all-gather inputs must all have the padded shard's size (FSDP2's rule), which a scale
 # per row does not (test_uneven_inputs_of_another_size_raise).
 CONFIG = LlamaConfig(dim=48, n_heads=4, ffn_hidden=96)
+STEPS = 3
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 # torch FSDP2 at 3 ranks: gloo's reduce-scatter sums an element's ranks in an order that
 # depends on its place in the buffer, as for every model (tests/test_parity.py).
@@ -148,7 +149,7 @@ def _eager_worker(rank, world_size, policy_names):
         ours, theirs = build(fully_shard, policy), build(torch_fully_shard, policy)
         optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (ours, theirs)]
         tolerance = TORCH_FSDP2_TOLERANCE[world_size]
-        for step in range(5):
+        for step in range(STEPS):
             tokens = _tokens(step, rank, world_size)
             (our_counts, our_bytes), (their_counts, their_bytes) = (counted_step(m, tokens) for m in (ours, theirs))
             # One reduce-scatter per group and the same bytes both ways; the inputs of
@@ -192,7 +193,7 @@ def _compiled_worker(rank, world_size):
     compiled_model, theirs = build(fully_shard), build(torch_fully_shard)
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (compiled_model, theirs)]
-    for step in range(3):
+    for step in range(STEPS):
         tokens = _tokens(step, rank, world_size)
         _, their_bytes = counted_step(theirs, tokens)
         _, compiled_bytes = counted_step(compiled, tokens)
@@ -317,7 +318,7 @@ def _torchao_worker(rank, world_size):
 
     ours, theirs = build_float8(fully_shard), build_float8(torch_fully_shard)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (ours, theirs)]
-    for step in range(3):
+    for step in range(STEPS):
         tokens = _tokens(step, rank, world_size)
         (our_counts, our_bytes), (their_counts, their_bytes) = (counted_step(m, tokens) for m in (ours, theirs))
         # float8 weights on the wire, and the scales' amax all-reduces, as in FSDP2.
