@@ -188,21 +188,15 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
         assert op_counts(capture.backward_graphs[0].graph)["all_to_all"] == 2
 
 
-# Inductor at each world size (3: uneven shards), with and without checkpointed blocks,
-# across the set rather than in every combination: each run compiles a model on two or
-# three processes, the bulk of the suite's time (checkpointed blocks' graphs under both
-# AOT partitioners, on a fake process group:
-# test_one_forward_and_one_backward_graph_with_the_collectives). aot_eager's bitwise
+# Inductor at 3 ranks (uneven shards) with checkpointed blocks: each run compiles a model
+# on several processes, the bulk of the suite's time. Inductor without checkpointed
+# blocks runs on gloo in test_regions (3 ranks, bucketed regions) and test_mixed_precision
+# (2 ranks, bf16), and its graphs on a fake process group in
+# test_graphs_given_to_inductor_hold_c10d_collectives_only. aot_eager's bitwise
 # equality with eager is checked at 2 ranks by test_mixed_precision, test_frozen,
 # test_gradient_sync and test_hsdp, and at 3 ranks with bucketing by
 # test_bucketed_and_reordered_training_matches_eager_on_gloo.
-@pytest.mark.parametrize(
-    "world_size, backend, checkpoint_blocks",
-    [
-        (2, "inductor", False),
-        (3, "inductor", True),
-    ],
-)
+@pytest.mark.parametrize("world_size, backend, checkpoint_blocks", [(3, "inductor", True)])
 def test_compiled_training_matches_eager_on_gloo(world_size, backend, checkpoint_blocks):
     run_gloo(_compiled_matches_eager, world_size, backend, checkpoint_blocks)
 
