@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardH
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ._attribute_writes import CountsWrites, count_writes
 from ._group import FSDPParamGroup, ReshardGroup
 from ._param import FSDPParam, ParamUsage
 from ._region import (
@@ -235,7 +236,7 @@ def _get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-class FSDPModule(TorchFSDPModule):
+class FSDPModule(CountsWrites, TorchFSDPModule):
     """Mixed into the class of every module passed to :func:`fully_shard`.
 
     A subclass of torch's ``FSDPModule``, so that code which finds FSDP2 modules with
@@ -950,6 +951,7 @@ def fully_shard(
         top.__class__ = _fsdp_class(type(top))
     if group is not None and not sharded_below and len(modules) == 1:
         state.region_modules = list(module.modules())
+        count_writes(state.region_modules)
     state.claim_root()
     return cast(FSDPModule, module)
 

@@ -23,9 +23,9 @@ global, a shared object) is a constant of that first trace: a write to it betwee
 the blocks' calls keys the later blocks apart ([Note: writes between blocks key them
 apart]), and a change between steps fails the first block's guards and recompiles.
 A number changed that way comes back symbolic (automatic dynamic), which torch 2.13
-fails to compile inside a region body (measured: a global float the blocks read);
-kept as a module attribute or passed as an argument, it runs the block inlined
-instead (see below and ``accepts_region_call``).
+cannot pass to a reused region body; the blocks then run inlined (a global read in
+the body: ``_symbolic_number_read``; a module attribute or an argument: below and
+``accepts_region_call``).
 
 [Note: region keys are guarded]
 Dynamo guards on what the outer trace reads, and on nothing read inside
@@ -36,8 +36,9 @@ attribute of the block's modules (``training``, ``eps``, ``in_features``, a user
 ``scale``: 42 per Llama block) in the outer trace, where each read is a guard on its
 value, and passes their hash to the region; a change recompiles and the new trace
 keys that block apart. Which attributes to read is found per trace
-(``_plain_attributes``). Not guarded: attributes added after the first compile,
-and attributes that are objects (keyed by identity when the trace runs).
+(``_plain_attributes``), ``_compile_shard_writes`` among them: the count of the
+writes these reads miss (an attribute added or deleted, an object replaced), [Note: a
+block's attribute writes are counted] in ``_attribute_writes``.
 
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
@@ -69,9 +70,10 @@ first block's trace. A caller that changes it between the blocks' calls (``SCALE
 before calling block ``i``) would leave every later block with the first one's value.
 So each call's reuse key holds ``_writes_so_far()``: what the trace has written until
 then to objects that existed before it, other than compile_shard's own (the
-``FSDPParam`` attributes that show the gathered parameters). Between two calls with
-no such write the keys stay equal; after one they differ, and the later block is
-traced anew.
+``FSDPParam`` attributes that show the gathered parameters), and to the objects the
+trace created and stored in those (a dict the forward creates, stores in a global and
+changes before each block). Between two calls with no such write the keys stay equal;
+after one they differ, and the later block is traced anew.
 
 A block whose submodules run module hooks is inlined without tracing it first
 (``runs_hooks_inside``): hooks are Python the signature holds by identity only.
@@ -94,12 +96,18 @@ import torch
 import torch.nn as nn
 from torch._dynamo.exc import RestartAnalysis
 from torch._dynamo.symbolic_convert import InstructionTranslator
-from torch._dynamo.variables.base import AttributeMutationExisting, ValueMutationExisting
+from torch._dynamo.variables.base import (
+    AttributeMutationExisting,
+    AttributeMutationNew,
+    ValueMutationExisting,
+    ValueMutationNew,
+)
 
+from . import _attribute_writes
+from ._attribute_writes import PLAIN
 from ._annotation import annotating_region_params
 from ._param import FSDPParam
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
 def _nested_region_takes_reuse_key() -> bool:
@@ -114,7 +122,7 @@ REGIONS_SUPPORTED = _nested_region_takes_reuse_key()
 
 def _plain_value(value: Any) -> Any:
     """``value`` itself if plain, containers item by item (a hook dict by its hooks), else its identity."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, PLAIN):
         return value
     if isinstance(value, (tuple, list)):
         return tuple(_plain_value(item) for item in value)
@@ -193,9 +201,10 @@ def _signature_hash(module: nn.Module) -> int:
     Traced, the signature costs Dynamo time at each call site (see [Note: region
     arguments are flat]); computed here, it is read when each trace runs, so
     hooks and attributes set after ``fully_shard`` count. Dynamo does not guard on it:
-    of a change made after the first compile, only one to a plain value recompiles
-    (``call_in_region`` reads those, [Note: region keys are guarded]); any other is
-    seen by the next trace (``torch.compiler.reset()``).
+    an attribute written after the first compile recompiles because ``call_in_region``
+    reads the plain values and the count of the other writes ([Note: region keys are
+    guarded]). A hook added after the first compile is not seen, as Dynamo does not
+    guard on hooks by default (``skip_nnmodule_hook_guards``), with or without regions.
     """
     return hash(block_signature(module))
 
@@ -266,7 +275,8 @@ class RegionInlinedWarning(UserWarning):
     """
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)  # a warning names the innermost frame outside torch
+# A warning names the innermost frame of the user's: outside torch, and outside the ``__setattr__`` that counts writes.
+_NOT_THE_USERS = (os.path.dirname(torch.__file__), _attribute_writes.__file__)
 
 #: ``_signature_hash`` of the blocks whose forward a shared region cannot replay.
 _INLINED_SIGNATURES: set[int] = set()
@@ -287,9 +297,18 @@ def _forget_side_effects() -> int:
 @torch.compiler.assume_constant_result
 def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> int:
     """Restarts Dynamo's analysis with ``module``'s blocks inlined if a region cannot replay its forward."""
-    written_at = _subgraph_tracer().side_effect_stack
-    if written_at is not None:
-        frame = next((f for f in reversed(written_at) if not f.filename.startswith(_TORCH_DIR)), written_at[-1])
+    tracer = _subgraph_tracer()
+    written_at = tracer.side_effect_stack
+    symbolic = _symbolic_number_read(tracer)
+    if symbolic is not None:
+        code = type(module).__bases__[1].forward.__code__  # the user's: fully_shard made FSDP<Class>(FSDPModule, Class)
+        filename, lineno = code.co_filename, code.co_firstlineno
+        reason = (
+            f"reads {symbolic}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
+            f"shared compile region; pass it to the block as a tensor to keep the region"
+        )
+    elif written_at is not None:
+        frame = next((f for f in reversed(written_at) if not f.filename.startswith(_NOT_THE_USERS)), written_at[-1])
         filename, lineno = frame.filename, frame.lineno or 0
         reason = (
             f"writes state it did not create ({frame.name} at {frame.line!r}), which a shared compile region "
@@ -315,36 +334,78 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
     raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
 
 
+def _symbolic_number_read(tracer: Any) -> str | None:
+    """The name of a symbolic number the region body reads from its caller's graph, if any.
+
+    A number that changed between steps comes back symbolic (automatic dynamic), as a
+    0-d tensor input of the caller's graph that the body lifts. torch 2.13 then fails
+    to reuse the body ("Argument 'item' ... does not belong to this Graph", measured
+    for a global float), so the blocks run inlined. The parameters and arguments the
+    body lifts are the caller's intermediates, not its inputs.
+    """
+    for outer in tracer.lifted_freevars:
+        graph_arg = outer.node.meta.get("grapharg")
+        if graph_arg is not None and graph_arg.pass_arg_as_tensor:
+            return graph_arg.source.name
+    return None
+
+
 _untracked_writes = itertools.count(1)
+
+
+def _contents(side_effects: Any, item: Any) -> list[Any] | None:
+    """What Dynamo holds for what ``item`` contains: its items, or the attributes the trace wrote; None if unknown."""
+    contents = list(side_effects.store_attr_mutations.get(item, {}).values())
+    items = getattr(item, "items", None)
+    if isinstance(items, dict):
+        return contents + list(items.values())
+    if isinstance(items, list):
+        return contents + items
+    return contents if item in side_effects.store_attr_mutations else None
+
+
+def _written(side_effects: Any, contents: list[Any] | None, seen: set[int]) -> Any:
+    """What the key holds for ``contents``: each variable, followed into the objects the trace created.
+
+    Dynamo holds a new variable for each value written, so the key changes with each
+    write, also a write into an object the trace created and stored in existing state.
+    """
+    if contents is None:
+        return next(_untracked_writes)
+    key = []
+    for value in contents:
+        key.append(id(value))
+        created = isinstance(getattr(value, "mutation_type", None), (ValueMutationNew, AttributeMutationNew))
+        if created and id(value) not in seen:
+            seen.add(id(value))
+            key.append(_written(side_effects, _contents(side_effects, value), seen))
+    return tuple(key)
 
 
 @torch.compiler.assume_constant_result
 def _writes_so_far() -> int:
     """A hash of the writes this trace has made so far to state compile_shard does not own; 0 for none.
 
-    See [Note: writes between blocks key them apart]. Only objects that existed
-    before the trace count: one the trace created (a list the forward collects outputs
-    in, the cells of the closures each call makes) is usually no state a block's body
-    reads, and counting it would trace every block anew. Not seen, so: a container the
-    forward creates, stores where the blocks read it, then changes between their
-    calls (docs/api.md lists it). A write is keyed by the variables Dynamo holds
-    for the values written, which are new for each write. A container whose contents
-    cannot be read here gives every later call a key of its own.
+    See [Note: writes between blocks key them apart]. The writes count to objects that
+    existed before the trace, and to the objects the trace created and stored in them
+    (a dict the forward creates, stores in a global the blocks read, and changes
+    between their calls), followed from those. One the trace created and kept to
+    itself (a list the forward collects outputs in, the cells of the closures each
+    call makes) is no state a block's body reads, and counting it would trace every
+    block anew. A container whose contents cannot be read here gives every later call
+    a key of its own.
     """
     side_effects = InstructionTranslator.current_tx().output.side_effects
+    seen: set[int] = set()
     writes = [
-        (id(item), tuple((name, id(value)) for name, value in attributes.items()))
+        (id(item), _written(side_effects, list(attributes.values()), seen))
         for item, attributes in side_effects.store_attr_mutations.items()
         if isinstance(item.mutation_type, AttributeMutationExisting)
         and not isinstance(getattr(item, "value", None), FSDPParam)
     ]
     for item in side_effects.id_to_variable.values():
-        if not isinstance(item.mutation_type, ValueMutationExisting) or not side_effects.is_modified(item):
-            continue
-        contents = getattr(item, "items", None)
-        if isinstance(contents, dict):
-            contents = list(contents.values())
-        writes.append((id(item), tuple(map(id, contents)) if isinstance(contents, list) else next(_untracked_writes)))
+        if isinstance(item.mutation_type, ValueMutationExisting) and side_effects.is_modified(item):
+            writes.append((id(item), _written(side_effects, _contents(side_effects, item), seen)))
     return hash(tuple(writes)) if writes else 0
 
 
@@ -372,7 +433,7 @@ def accepts_region_call(args: tuple, kwargs: dict) -> bool:
         if isinstance(value, torch.Tensor):
             if any(size.__class__ is not int for size in value.shape):
                 return False
-        elif not isinstance(value, _PLAIN):
+        elif not isinstance(value, PLAIN):
             return False
     return True
 
@@ -422,7 +483,7 @@ def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], t
     symbolic.
     """
     values = [
-        {name: value for name, value in sorted(submodule.__dict__.items()) if isinstance(value, _PLAIN)}
+        {name: value for name, value in sorted(submodule.__dict__.items()) if isinstance(value, PLAIN)}
         for submodule in module._compile_shard_state.region_modules
     ]
     flat = [value for plain in values for value in plain.values()]

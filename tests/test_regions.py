@@ -1,5 +1,6 @@
 """settings.compile_regions: each sharded block traced once as a nested compile region, reused by every block."""
 
+import contextlib
 import copy
 import operator
 
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import REGION_PARAM_ANNOTATION
+from compile_shard._attribute_writes import WRITES_ATTR
 from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
@@ -294,6 +296,110 @@ def test_an_attribute_changed_after_compiling_recompiles():
     run_gloo(_attribute_changed_after_compiling_worker, 2)
 
 
+class _Scale:
+    def __init__(self, value):
+        self.value = value
+
+
+_SHARED_SCALE_OBJECT = _Scale(1.0)
+
+
+class _AttributeReadingBlock(nn.Module):
+    """Reads an attribute that only some blocks may have, and one that holds an object shared by all blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.shared = _SHARED_SCALE_OBJECT
+
+    def forward(self, x):
+        extra = getattr(self, "extra", 1.0)
+        return self.linear(x) * (extra.value if isinstance(extra, _Scale) else extra) * self.shared.value
+
+
+@pytest.mark.parametrize("write", ["added", "deleted", "object_replaced"])
+def test_a_write_to_a_later_block_after_compiling_recompiles(write):
+    """[Note: a block's attribute writes are counted]: no guard of the first block's body sees these writes."""
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        model.blocks = nn.ModuleList(_AttributeReadingBlock() for _ in range(3))
+        if write == "deleted":
+            for block in model.blocks:
+                block.extra = _Scale(2.0) if block is model.blocks[0] else model.blocks[0].extra
+        _shard_blocks_and_root(model)
+        compiled = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)
+        inputs = torch.randn(4, 6)
+        compiled(inputs)
+        if write == "added":
+            model.blocks[2].extra = 3.0
+        elif write == "deleted":
+            del model.blocks[2].extra
+        else:
+            model.blocks[2].shared = _Scale(3.0)
+        torch.testing.assert_close(compiled(inputs), model(inputs), rtol=0, atol=0)
+        compiled(inputs)
+    assert recompiles() == 1
+
+
+def test_writes_the_guards_see_are_not_counted():
+    """A plain value or a tensor replaced by another costs no recompile: Dynamo guards on them already."""
+    with FakeProcessGroup(2):
+        model = _ScaledModel()
+        _shard_blocks_and_root(model)
+    block, linear = model.blocks[2], model.blocks[2].linear
+    assert WRITES_ATTR not in model.__dict__ and WRITES_ATTR not in model.proj.__dict__  # not region modules
+    counts = []
+    for write in (
+        lambda: setattr(block, "scale", 2.0),
+        lambda: setattr(linear, "mask", torch.ones(6)),  # added
+        lambda: setattr(linear, "mask", torch.zeros(6)),
+        lambda: setattr(linear, "mask", _Scale(1.0)),
+        lambda: setattr(block, "training", False),
+        lambda: delattr(linear, "mask"),
+    ):
+        before = block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR]
+        write()
+        counts.append(block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR] - before)
+    assert counts == [0, 1, 0, 1, 0, 1]
+
+
+_CONTEXT = {}
+
+
+class _ContextReadingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.linear(x) * _CONTEXT["current"]["scale"]
+
+
+def test_a_container_the_forward_creates_and_changes_between_blocks_keys_them_apart():
+    """A dict created in the forward and stored where the blocks read it: each block reads its own value."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(6, 6)
+            self.blocks = nn.ModuleList(_ContextReadingBlock() for _ in range(3))
+
+        def forward(self, x):
+            x, context = self.proj(x), {"scale": 0.0}
+            _CONTEXT["current"] = context
+            for index, block in enumerate(self.blocks):
+                context["scale"] = float(index + 1)
+                x = block(x)
+            return x
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = Model()
+        _shard_blocks_and_root(model)
+        inputs = torch.randn(4, 6)
+        output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
+        torch.testing.assert_close(output, model(inputs), rtol=0, atol=0)
+
+
 def test_a_block_whose_submodules_run_hooks_is_inlined():
     """A hook appending each block's output runs for every block, as in eager."""
     outputs = []
@@ -462,6 +568,34 @@ def test_state_the_caller_writes_between_blocks_keys_them_apart(written):
         inputs = torch.randn(4, 6)
         output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
         torch.testing.assert_close(output, model(inputs))
+
+
+def test_a_global_number_changed_between_steps_runs_the_blocks_inlined():
+    """Dynamo makes it symbolic when it changes, which torch 2.13 cannot pass to a reused region."""
+    global _SHARED_SCALE
+
+    class Model(_ScaledModel):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(_ReadingBlock() for _ in range(3))
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = Model()
+        _shard_blocks_and_root(model)
+        capture = CapturingBackend(min_cut=True)
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        inputs = torch.randn(4, 6)
+        warned = pytest.warns(RegionInlinedWarning, match=r"reads G.*_SHARED_SCALE, a number Dynamo made symbolic")
+        try:
+            for step, scale in enumerate([0.0, 1.0, 2.0]):
+                _SHARED_SCALE = scale
+                with warned if step == 1 else contextlib.nullcontext():
+                    torch.testing.assert_close(compiled(inputs), model(inputs), rtol=0, atol=0)
+        finally:
+            _SHARED_SCALE = 0.0
+    assert recompiles() == 1
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == 3
+    assert not _region_calls(capture.forward_graphs[-1].graph)
 
 
 def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():

@@ -1,0 +1,84 @@
+"""Counts the writes to a sharded block's modules that Dynamo does not guard, so that a compiled region sees them.
+
+[Note: a block's attribute writes are counted]
+A block that reuses another block's compiled region runs a body Dynamo traced, and
+guarded, on the first block's modules: nothing guards what the later blocks hold. So
+``call_in_region`` reads every plain attribute of each block's modules in the outer
+trace, a guard on each value ([Note: region keys are guarded] in ``_region``), and the
+region key holds the rest of the block's signature by identity when the trace runs.
+Two writes escape both: an attribute added to (or deleted from) a later block after
+the first compile, and an object attribute replaced by another object. Each module of
+a region block therefore has a class with ``CountsWrites``'s ``__setattr__`` and
+``__delattr__`` and an integer ``_compile_shard_writes`` that they raise on such a
+write; ``call_in_region`` reads that integer with the plain attributes, so the write
+fails the guard, and the recompile keys the block anew.
+
+Not counted, so that a write the guards already see costs no recompile: a plain value
+replaced by a plain value (its read is guarded by value), and a tensor replaced by a
+tensor (Dynamo reads a tensor attribute from its module at every call, and guards on
+whether two blocks' tensors are the same object, which the region key reads). A
+non-tensor object assigned to a block's attribute at every step (by the caller, in
+the compiled forward) therefore recompiles at every step: pass it as an argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+WRITES_ATTR = "_compile_shard_writes"
+
+#: Values compared by value: a region key holds them, and Dynamo guards on each read of one.
+PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_ABSENT = object()
+
+
+def _changes_what_guards_miss(before: Any, after: Any) -> bool:
+    if before is after:
+        return False
+    if before is _ABSENT or after is _ABSENT:
+        return True
+    if isinstance(before, PLAIN) and isinstance(after, PLAIN):
+        return False
+    return not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor))
+
+
+class CountsWrites:
+    """Mixed into the classes fully_shard gives modules; counts writes on the modules of region blocks only."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        before = self.__dict__.get(name, _ABSENT)
+        super().__setattr__(name, value)
+        self._count_write(before, self.__dict__.get(name, _ABSENT))
+
+    def __delattr__(self, name: str) -> None:
+        before = self.__dict__.get(name, _ABSENT)
+        super().__delattr__(name)
+        self._count_write(before, self.__dict__.get(name, _ABSENT))
+
+    def _count_write(self, before: Any, after: Any) -> None:
+        writes = self.__dict__.get(WRITES_ATTR)
+        if writes is not None and _changes_what_guards_miss(before, after):
+            self.__dict__[WRITES_ATTR] = writes + 1
+
+
+def writes_counting_class(cls: type) -> type:
+    """``cls`` if it counts writes, else its subclass that does (``_compile_shard_base`` names ``cls``)."""
+    if issubclass(cls, CountsWrites):
+        return cls
+    if cls not in _COUNTING_CLASSES:
+        base = getattr(cls, "_compile_shard_base", None) or cls
+        namespace = {"_compile_shard_base": base, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _COUNTING_CLASSES[cls] = type(cls.__name__, (CountsWrites, cls), namespace)
+    return _COUNTING_CLASSES[cls]
+
+
+_COUNTING_CLASSES: dict[type, type] = {}
+
+
+def count_writes(modules: list[torch.nn.Module]) -> None:
+    """Starts counting the writes to ``modules`` (a region block's modules) that Dynamo does not guard."""
+    for module in modules:
+        module.__class__ = writes_counting_class(type(module))
+        module.__dict__.setdefault(WRITES_ATTR, 0)
