@@ -32,6 +32,7 @@ SLOWEST_FILES = (
     "test_fsdp_module.py",
     "test_collectives.py",
     "test_cold_start.py",
+    "test_examples.py",
     "test_frozen.py",
     "test_parity.py",
     "test_tensor_parallel.py",
@@ -39,7 +40,6 @@ SLOWEST_FILES = (
     "test_all_gather_extensions.py",
     "test_gradient_sync.py",
     "test_reshard_to_a_smaller_group.py",
-    "test_examples.py",
     "test_packaging_and_demo.py",
     "test_checkpointing.py",
 )
