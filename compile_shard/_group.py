@@ -538,9 +538,8 @@ class FSDPParamGroup:
                 rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
                 shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
                 options = self._all_gather_options(part)
-                # An all-gather extension's unsharded tensor subclass (torchao's float8 weights) in eager mode.
-                subclass = any(type(row) is not torch.Tensor for row in rows)
-                as_gathered = ops.as_gathered_views if subclass else ops.as_gathered
+                # Eager mode takes views; a traced graph needs the op, whose outputs are new tensors.
+                as_gathered = ops.as_gathered if torch.compiler.is_compiling() else ops.as_gathered_views
                 gathered_rows = as_gathered(
                     rows, shards, part.padded_numels, self.world_size, self.group_name, *options
                 )

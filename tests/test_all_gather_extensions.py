@@ -291,6 +291,28 @@ def test_the_older_pre_all_gather_signature_gets_the_mesh(fake_pg):
     assert len(_MeshOnly.calls) == 2 * linears and Counter(mesh.size() for mesh in _MeshOnly.calls) == {2: 2 * linears}
 
 
+class _RecordsUnsharded(Int8Rows):
+    storages: list[int] = []
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        result = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        _RecordsUnsharded.storages.append(result[0].untyped_storage().data_ptr())
+        return result
+
+
+def test_eager_mode_computes_with_what_fsdp_post_all_gather_returned(fake_pg):
+    """No copy of it: eager mode gives it the all-gather's backward as views (``ops.as_gathered_views``)."""
+    _RecordsUnsharded.storages.clear()
+    model = build(fully_shard, subclass=_RecordsUnsharded)
+    read = []
+    model.layers[0].attention.wq.register_forward_pre_hook(
+        lambda module, args: read.append(module.weight.untyped_storage().data_ptr())
+    )
+    lm_loss(model, torch.zeros(1, 8, dtype=torch.long)).backward()
+    assert len(read) == 1 and read[0] in _RecordsUnsharded.storages
+    assert model.layers[0].attention.wq.weight.grad is not None
+
+
 def test_an_unsharded_tensor_subclass_trains_eagerly_and_is_refused_compiled(fake_pg):
     """Eager mode frees and refills a tensor subclass through its inner tensors; a compiled graph refuses it.
 

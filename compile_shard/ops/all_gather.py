@@ -293,7 +293,10 @@ def _reduce_scatter_with(comm, unsharded_grad, world_size: int, group_name: str,
 # (``reduce_unsharded_grad``), with the options of now, into ``shards``' gradients. The
 # copies cost one memory copy of the parameters (an op cannot return its input), less
 # than an all-gather. As a registered op it traces like ``all_gather_into``: the
-# compiled backward holds the same reduction, which the passes lower.
+# compiled backward holds the same reduction, which the passes lower. Eager mode calls
+# ``as_gathered_views`` instead: an autograd function with the same backward that
+# returns views, so no copy, and that takes tensor subclasses (torchao's float8
+# weights), which an op's kernel cannot.
 
 
 def _check_as_gathered(unsharded, shards, padded_numels) -> None:
@@ -330,7 +333,7 @@ def _as_gathered_backward(ctx, unsharded_grads):
 
 
 class _AsGatheredViews(torch.autograd.Function):
-    """``as_gathered`` for tensor subclasses, which an op's kernel cannot take (eager only): views, not copies."""
+    """``as_gathered`` in eager mode: views, not copies, also of tensor subclasses, which an op's kernel cannot take."""
 
     @staticmethod
     def forward(ctx, layout, *unsharded_and_shards):
@@ -346,7 +349,7 @@ class _AsGatheredViews(torch.autograd.Function):
 
 
 def as_gathered_views(unsharded, shards, padded_numels, world_size, group_name, *options) -> tuple[torch.Tensor, ...]:
-    """``as_gathered`` as views of ``unsharded``, for tensor subclasses (an all-gather extension's, eager only)."""
+    """``as_gathered`` as views of ``unsharded``, in eager mode (also an all-gather extension's tensor subclasses)."""
     return _AsGatheredViews.apply((padded_numels, world_size, group_name, *options), *unsharded, *shards)
 
 
