@@ -61,6 +61,19 @@ class GroupAnnotation:
     eager_only_settings: tuple[str, ...] = ()
 
 
+_ANNOTATION_FIELDS = tuple(field.name for field in dataclasses.fields(GroupAnnotation))
+
+
+def _stored(annotation: GroupAnnotation) -> dict:
+    """``annotation`` as the plain dict a node's metadata holds.
+
+    Not ``dataclasses.asdict``: its fields are builtin values already, and Dynamo
+    traces ``asdict``'s recursive deep copy at every block's all-gather, a tenth of
+    Dynamo's time per block (measured on the capture of a 16-layer Llama with regions).
+    """
+    return {name: getattr(annotation, name) for name in _ANNOTATION_FIELDS}
+
+
 def group_annotation(node: fx.Node) -> GroupAnnotation | None:
     """The annotation of the group ``node`` belongs to, if any."""
     stored = node.meta.get("custom", {}).get(GROUP_ANNOTATION)
@@ -69,13 +82,13 @@ def group_annotation(node: fx.Node) -> GroupAnnotation | None:
 
 def write_group_annotation(node: fx.Node, annotation: GroupAnnotation) -> None:
     """Annotates a node a pass created as part of ``annotation``'s group."""
-    node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: dataclasses.asdict(annotation)}
+    node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: _stored(annotation)}
 
 
 @contextlib.contextmanager
 def annotating_group(annotation: GroupAnnotation) -> Iterator[None]:
     """Annotates every node traced inside the block (the runtime's all-gather)."""
-    with torch.fx.traceback.annotate({GROUP_ANNOTATION: dataclasses.asdict(annotation)}):
+    with torch.fx.traceback.annotate({GROUP_ANNOTATION: _stored(annotation)}):
         yield
 
 
