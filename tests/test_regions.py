@@ -363,43 +363,6 @@ def test_writes_the_guards_see_are_not_counted():
     assert counts == [0, 1, 0, 1, 0, 1]
 
 
-_CONTEXT = {}
-
-
-class _ContextReadingBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return self.linear(x) * _CONTEXT["current"]["scale"]
-
-
-def test_a_container_the_forward_creates_and_changes_between_blocks_keys_them_apart():
-    """A dict created in the forward and stored where the blocks read it: each block reads its own value."""
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(6, 6)
-            self.blocks = nn.ModuleList(_ContextReadingBlock() for _ in range(3))
-
-        def forward(self, x):
-            x, context = self.proj(x), {"scale": 0.0}
-            _CONTEXT["current"] = context
-            for index, block in enumerate(self.blocks):
-                context["scale"] = float(index + 1)
-                x = block(x)
-            return x
-
-    with FakeProcessGroup(2), pass_settings(compile_regions=True):
-        model = Model()
-        _shard_blocks_and_root(model)
-        inputs = torch.randn(4, 6)
-        output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
-        torch.testing.assert_close(output, model(inputs), rtol=0, atol=0)
-
-
 def test_a_block_whose_submodules_run_hooks_is_inlined():
     """A hook appending each block's output runs for every block, as in eager."""
     outputs = []
@@ -529,7 +492,7 @@ def test_a_block_whose_python_a_region_cannot_replay_runs_inlined(write, message
 
 
 _SHARED_SCALE = 0.0
-_SHARED_STATE = {"scale": 0.0}
+_SHARED_STATE = {"scale": 0.0, "context": {"scale": 0.0}}
 
 
 class _ReadingBlock(nn.Module):
@@ -538,12 +501,15 @@ class _ReadingBlock(nn.Module):
         self.linear = nn.Linear(6, 6)
 
     def forward(self, x):
-        return self.linear(x) * (1.0 + _SHARED_SCALE + _SHARED_STATE["scale"])
+        return self.linear(x) * (1.0 + _SHARED_SCALE + _SHARED_STATE["scale"] + _SHARED_STATE["context"]["scale"])
 
 
-@pytest.mark.parametrize("written", ["global", "dict"])
+@pytest.mark.parametrize("written", ["global", "dict", "created_dict"])
 def test_state_the_caller_writes_between_blocks_keys_them_apart(written):
-    """[Note: writes between blocks key them apart]: each block reads the value set before its call."""
+    """[Note: writes between blocks key them apart]: each block reads the value set before its call.
+
+    ``created_dict``: a dict the forward creates, stores where the blocks read it, and changes between their calls.
+    """
 
     class Model(nn.Module):
         def __init__(self):
@@ -553,21 +519,30 @@ def test_state_the_caller_writes_between_blocks_keys_them_apart(written):
 
         def forward(self, x):
             global _SHARED_SCALE
-            x = self.proj(x)
+            x, context = self.proj(x), {"scale": 0.0}
+            if written == "created_dict":
+                _SHARED_STATE["context"] = context
             for index, block in enumerate(self.blocks):
                 if written == "global":
                     _SHARED_SCALE = float(index)
-                else:
+                elif written == "dict":
                     _SHARED_STATE["scale"] = float(index)
+                else:
+                    context["scale"] = float(index)
                 x = block(x)
             return x
 
+    global _SHARED_SCALE
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = Model()
         _shard_blocks_and_root(model)
         inputs = torch.randn(4, 6)
-        output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
-        torch.testing.assert_close(output, model(inputs))
+        try:
+            output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
+            torch.testing.assert_close(output, model(inputs))
+        finally:
+            _SHARED_SCALE = 0.0
+            _SHARED_STATE.update(scale=0.0, context={"scale": 0.0})
 
 
 def test_a_global_number_changed_between_steps_runs_the_blocks_inlined():
