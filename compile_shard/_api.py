@@ -63,6 +63,15 @@ class FSDPState:
         # module whose subtree holds no other fully_shard module, else empty.
         self.region_modules: list[nn.Module] = []
 
+    def region_changed(self) -> None:
+        """Lists the modules of a block traced as a compile region, and counts their writes.
+
+        Again after a submodule was added, replaced or deleted ([Note: a block's attribute
+        writes are counted] in ``_attribute_writes``).
+        """
+        self.region_modules = list(self.module.modules())
+        count_writes(self.region_modules, self)
+
     def claim_root(self) -> None:
         """Makes this state the root of every fully_shard state below it.
 
@@ -950,8 +959,7 @@ def fully_shard(
         top.__dict__[_STATE_ATTR] = state
         top.__class__ = _fsdp_class(type(top))
     if group is not None and not sharded_below and len(modules) == 1:
-        state.region_modules = list(module.modules())
-        count_writes(state.region_modules)
+        state.region_changed()
     state.claim_root()
     return cast(FSDPModule, module)
 

@@ -13,6 +13,10 @@ a region block therefore has a class with ``CountsWrites``'s ``__setattr__`` and
 write; ``call_in_region`` reads that integer with the plain attributes, so the write
 fails the guard, and the recompile keys the block anew.
 
+A submodule added, replaced or deleted counts too, and the block's owner (its
+``FSDPState``) lists its modules anew (``region_changed``), so that the new ones count
+their writes and their hooks and attributes are read like the others'.
+
 Not counted, so that a write the guards already see costs no recompile: a plain value
 replaced by a plain value (its read is guarded by value), and a tensor replaced by a
 tensor (Dynamo reads a tensor attribute from its module at every call, and guards on
@@ -23,11 +27,12 @@ the compiled forward) therefore recompiles at every step: pass it as an argument
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 WRITES_ATTR = "_compile_shard_writes"
+_OWNER_ATTR = "_compile_shard_region_owner"
 
 #: Values compared by value: a region key holds them, and Dynamo guards on each read of one.
 PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -44,23 +49,37 @@ def _changes_what_guards_miss(before: Any, after: Any) -> bool:
     return not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor))
 
 
+class RegionOwner(Protocol):
+    def region_changed(self) -> None:
+        """Lists the block's modules anew: a submodule was added, replaced or deleted."""
+
+
+def _held(module: torch.nn.Module, name: str) -> Any:
+    """What ``name`` names on ``module``: an entry of its ``__dict__`` or a submodule."""
+    value = module.__dict__.get(name, _ABSENT)
+    return module.__dict__.get("_modules", {}).get(name, _ABSENT) if value is _ABSENT else value
+
+
 class CountsWrites:
     """Mixed into the classes fully_shard gives modules; counts writes on the modules of region blocks only."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        before = self.__dict__.get(name, _ABSENT)
+        before = _held(self, name)
         super().__setattr__(name, value)
-        self._count_write(before, self.__dict__.get(name, _ABSENT))
+        self._count_write(before, _held(self, name))
 
     def __delattr__(self, name: str) -> None:
-        before = self.__dict__.get(name, _ABSENT)
+        before = _held(self, name)
         super().__delattr__(name)
-        self._count_write(before, self.__dict__.get(name, _ABSENT))
+        self._count_write(before, _held(self, name))
 
     def _count_write(self, before: Any, after: Any) -> None:
         writes = self.__dict__.get(WRITES_ATTR)
-        if writes is not None and _changes_what_guards_miss(before, after):
-            self.__dict__[WRITES_ATTR] = writes + 1
+        if writes is None or not _changes_what_guards_miss(before, after):
+            return
+        self.__dict__[WRITES_ATTR] = writes + 1
+        if isinstance(before, torch.nn.Module) or isinstance(after, torch.nn.Module):
+            self.__dict__[_OWNER_ATTR].region_changed()
 
 
 def writes_counting_class(cls: type) -> type:
@@ -77,8 +96,9 @@ def writes_counting_class(cls: type) -> type:
 _COUNTING_CLASSES: dict[type, type] = {}
 
 
-def count_writes(modules: list[torch.nn.Module]) -> None:
+def count_writes(modules: list[torch.nn.Module], owner: RegionOwner) -> None:
     """Starts counting the writes to ``modules`` (a region block's modules) that Dynamo does not guard."""
     for module in modules:
         module.__class__ = writes_counting_class(type(module))
         module.__dict__.setdefault(WRITES_ATTR, 0)
+        module.__dict__[_OWNER_ATTR] = owner

@@ -309,15 +309,16 @@ class _AttributeReadingBlock(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.linear = nn.Linear(6, 6)
+        self.linear, self.activation = nn.Linear(6, 6), nn.Identity()
         self.shared = _SHARED_SCALE_OBJECT
 
     def forward(self, x):
         extra = getattr(self, "extra", 1.0)
-        return self.linear(x) * (extra.value if isinstance(extra, _Scale) else extra) * self.shared.value
+        scale = (extra.value if isinstance(extra, _Scale) else extra) * self.shared.value
+        return self.activation(self.linear(x)) * scale
 
 
-@pytest.mark.parametrize("write", ["added", "deleted", "object_replaced"])
+@pytest.mark.parametrize("write", ["added", "deleted", "object_replaced", "submodule_replaced"])
 def test_a_write_to_a_later_block_after_compiling_recompiles(write):
     """[Note: a block's attribute writes are counted]: no guard of the first block's body sees these writes."""
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
@@ -334,8 +335,10 @@ def test_a_write_to_a_later_block_after_compiling_recompiles(write):
             model.blocks[2].extra = 3.0
         elif write == "deleted":
             del model.blocks[2].extra
-        else:
+        elif write == "object_replaced":
             model.blocks[2].shared = _Scale(3.0)
+        else:
+            model.blocks[2].activation = nn.Tanh()
         torch.testing.assert_close(compiled(inputs), model(inputs), rtol=0, atol=0)
         compiled(inputs)
     assert recompiles() == 1
@@ -356,11 +359,16 @@ def test_writes_the_guards_see_are_not_counted():
         lambda: setattr(linear, "mask", _Scale(1.0)),
         lambda: setattr(block, "training", False),
         lambda: delattr(linear, "mask"),
+        lambda: setattr(block, "activation", nn.Tanh()),  # a submodule added
     ):
         before = block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR]
         write()
         counts.append(block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR] - before)
-    assert counts == [0, 1, 0, 1, 0, 1]
+    assert counts == [0, 1, 0, 1, 0, 1, 1]
+    # The new submodule is one of the block's modules, counting its own writes.
+    assert block.activation in block._compile_shard_state.region_modules
+    block.activation.extra = object()
+    assert block.activation.__dict__[WRITES_ATTR] == 1
 
 
 def test_a_block_whose_submodules_run_hooks_is_inlined():
