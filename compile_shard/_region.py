@@ -346,7 +346,8 @@ def _symbolic_number_read(tracer: Any) -> str | None:
     for outer in tracer.lifted_freevars:
         graph_arg = outer.node.meta.get("grapharg")
         if graph_arg is not None and graph_arg.pass_arg_as_tensor:
-            return graph_arg.source.name
+            source = graph_arg.source  # the global's name, not Dynamo's G['__import_<module>'].<name>
+            return getattr(source, "member", None) or getattr(source, "global_name", None) or source.name
     return None
 
 
