@@ -68,8 +68,9 @@ def _stored(annotation: GroupAnnotation) -> dict:
     """``annotation`` as the plain dict a node's metadata holds.
 
     Not ``dataclasses.asdict``: its fields are builtin values already, and Dynamo
-    traces ``asdict``'s recursive deep copy at every block's all-gather, a tenth of
-    Dynamo's time per block (measured on the capture of a 16-layer Llama with regions).
+    traces ``asdict``'s recursive deep copy at every block's all-gather, of
+    ``model_groups`` too, which lists every group: a capture quadratic in depth
+    (docs/benchmarks.md, "Capture time by depth").
     """
     return {name: getattr(annotation, name) for name in _ANNOTATION_FIELDS}
 
