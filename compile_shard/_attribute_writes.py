@@ -50,6 +50,8 @@ def _changes_what_guards_miss(before: Any, after: Any) -> bool:
 
 
 class RegionOwner(Protocol):
+    """What holds a region block's list of modules (``FSDPState``)."""
+
     def region_changed(self) -> None:
         """Lists the block's modules anew: a submodule was added, replaced or deleted."""
 
@@ -82,6 +84,9 @@ class CountsWrites:
             self.__dict__[_OWNER_ATTR].region_changed()
 
 
+_COUNTING_CLASSES: dict[type, type] = {}
+
+
 def writes_counting_class(cls: type) -> type:
     """``cls`` if it counts writes, else its subclass that does (``_compile_shard_base`` names ``cls``)."""
     if issubclass(cls, CountsWrites):
@@ -91,9 +96,6 @@ def writes_counting_class(cls: type) -> type:
         namespace = {"_compile_shard_base": base, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         _COUNTING_CLASSES[cls] = type(cls.__name__, (CountsWrites, cls), namespace)
     return _COUNTING_CLASSES[cls]
-
-
-_COUNTING_CLASSES: dict[type, type] = {}
 
 
 def count_writes(modules: list[torch.nn.Module], owner: RegionOwner) -> None:
