@@ -6,8 +6,8 @@ guarded, on the first block's modules: nothing guards what the later blocks hold
 ``call_in_region`` reads every plain attribute of each block's modules in the outer
 trace, a guard on each value ([Note: region keys are guarded] in ``_region``), and the
 region key holds the rest of the block's signature by identity when the trace runs.
-Two writes escape both: an attribute added to (or deleted from) a later block after
-the first compile, and an object attribute replaced by another object. Each module of
+Two kinds of write escape both: an attribute added to (or deleted from) a later block
+after the first compile, and an object attribute replaced by another object. Each module of
 a region block therefore has a class with ``CountsWrites``'s ``__setattr__`` and
 ``__delattr__`` and an integer ``_compile_shard_writes`` that they raise on such a
 write; ``call_in_region`` reads that integer with the plain attributes, so the write

@@ -37,8 +37,8 @@ attribute of the block's modules (``training``, ``eps``, ``in_features``, a user
 value, and passes their hash to the region; a change recompiles and the new trace
 keys that block apart. Which attributes to read is found per trace
 (``_plain_attributes``), ``_compile_shard_writes`` among them: the count of the
-writes these reads miss (an attribute added or deleted, an object replaced), [Note: a
-block's attribute writes are counted] in ``_attribute_writes``.
+writes these reads miss (an attribute added or deleted, an object or a submodule
+replaced), [Note: a block's attribute writes are counted] in ``_attribute_writes``.
 
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
@@ -107,7 +107,6 @@ from . import _attribute_writes
 from ._attribute_writes import PLAIN
 from ._annotation import annotating_region_params
 from ._param import FSDPParam
-
 
 
 def _nested_region_takes_reuse_key() -> bool:
@@ -294,6 +293,12 @@ def _forget_side_effects() -> int:
     return 0
 
 
+def _user_forward_line(module: nn.Module) -> tuple[str, int]:
+    """Where the user's forward of a sharded block starts: fully_shard made its class FSDP<Class>(FSDPModule, Class)."""
+    code = type(module).__bases__[1].forward.__code__
+    return code.co_filename, code.co_firstlineno
+
+
 @torch.compiler.assume_constant_result
 def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> int:
     """Restarts Dynamo's analysis with ``module``'s blocks inlined if a region cannot replay its forward."""
@@ -301,8 +306,7 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
     written_at = tracer.side_effect_stack
     symbolic = _symbolic_number_read(tracer)
     if symbolic is not None:
-        code = type(module).__bases__[1].forward.__code__  # the user's: fully_shard made FSDP<Class>(FSDPModule, Class)
-        filename, lineno = code.co_filename, code.co_firstlineno
+        filename, lineno = _user_forward_line(module)
         reason = (
             f"reads {symbolic}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
             f"shared compile region; pass it to the block as a tensor to keep the region"
@@ -315,8 +319,7 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
             f"would write for the first such block only"
         )
     elif not returns_tensors_only:
-        code = type(module).__bases__[1].forward.__code__  # the user's: fully_shard made FSDP<Class>(FSDPModule, Class)
-        filename, lineno = code.co_filename, code.co_firstlineno
+        filename, lineno = _user_forward_line(module)
         reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
     else:
         return 0
