@@ -1,6 +1,7 @@
 """compile_shard: FSDP2-style fully sharded data parallel that torch.compile captures whole."""
 
 from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
@@ -12,9 +13,10 @@ from . import ops
 from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
 
-# torch's own MixedPrecisionPolicy, OffloadPolicy, UnshardHandle, register_fsdp_forward_method
+# torch's own MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, UnshardHandle, register_fsdp_forward_method
 # and share_comm_ctx: they work on compile_shard's modules, which are torch FSDPModules.
 __all__ = [
+    "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

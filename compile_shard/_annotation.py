@@ -57,7 +57,7 @@ class GroupAnnotation:
     # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
     reduce_scatter_unused_params: bool = False
     # The FSDP2 settings of the group that only eager mode implements, by method name
-    # (``set_all_reduce_hook``): the joint pass refuses a graph with any.
+    # (``set_custom_all_gather``): the joint pass refuses a graph with any.
     eager_only_settings: tuple[str, ...] = ()
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -343,15 +343,15 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 state.group.reshard_group = None  # FSDP2: a bool reshards over the whole shard group
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Sets whether backward frees the unsharded parameters (FSDP2's semantics; eager mode only).
+        """Sets whether backward frees the unsharded parameters (FSDP2's semantics), eager and compiled.
 
         False keeps them after backward, and the next forward computes with them
         instead of all-gathering: fewer all-gathers between gradient-accumulation
         micro-batches, for the unsharded parameters' memory. As in FSDP2 they are not
         refreshed, so set it back to True for the last micro-batch (or call
-        ``reshard()``) before the optimizer step. A compiled graph all-gathers in every
-        forward, so compiling a module with False raises ([Note: unsharded parameters
-        kept after backward] in compile_shard.ops).
+        ``reshard()``) before the optimizer step. Compiled, a group holding kept
+        parameters runs a graph of its own ([Note: unsharded parameters kept after
+        backward] in compile_shard._group).
         """
         for group in self._groups(recurse):
             if not reshard_after_backward and group.reshard_group is not None:
@@ -511,19 +511,19 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
             group.reduce_scatter_comm = comm
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
-        """Calls ``hook(reduced_gradient)`` in every backward of this module's group (not recursive; eager only).
+        """Calls ``hook(reduced_gradient)`` in every backward of this module's group (not recursive), eager and compiled.
 
         FSDP2's semantics: the hook gets the group's reduce-scatter output (after
         HSDP's all-reduce), flat and padded, in the reduction dtype, and may change it
-        in place before the post-division and the copy into ``.grad`` ([Note: the
+        in place before the post-division and the copy into ``.grad``. A compiled
+        backward calls the Python hook in every step too: it is not traced ([Note: the
         all-reduce hook] in compile_shard.ops). ``stream`` is accepted except with HSDP
-        (FSDP2's ``ValueError``); the hook runs on the current stream. Compiling a
-        module with a hook raises.
+        (FSDP2's ``ValueError``); the hook runs on the current stream.
         """
         for group in self._groups():
             if stream is not None and group.replicate_group_name is not None:
                 raise ValueError("stream cannot be set when using native HSDP")
-            group.all_reduce_hook = hook
+            group.set_all_reduce_hook(hook)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Runs the gradient reduce-scatters on a process group of their own (FSDP2's semantics), eager and compiled.
@@ -735,11 +735,32 @@ def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any
                 f"fully_shard({label}): mp_policy.{field} must be a floating-point torch.dtype or None, got "
                 f"{dtype!r}; for example MixedPrecisionPolicy({field}=torch.bfloat16)"
             )
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"fully_shard({label}): {type(offload_policy).__name__} (CPU offload) is not supported yet; "
-            "pass OffloadPolicy() or leave offload_policy out"
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard({label}): offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got "
+            f"{type(offload_policy).__name__}"
         )
+
+
+def _pins_memory(label: str, mesh: DeviceMesh, offload_policy: OffloadPolicy) -> bool:
+    """Whether the shards go to pinned memory: FSDP2's ``CPUOffloadPolicy``, where it has a meaning here.
+
+    On a CPU mesh the sharded parameters, their gradients and the optimizer state
+    already live in CPU memory, so CPU offload moves nothing, as in FSDP2 there; FSDP2
+    still pins the shards with ``pin_memory=True`` (an error where no accelerator is
+    available), and so does compile_shard. Offloading from an accelerator's mesh is not
+    implemented.
+    """
+    if type(offload_policy) is OffloadPolicy:
+        return False
+    if type(offload_policy) is not CPUOffloadPolicy:
+        raise NotImplementedError(f"fully_shard({label}): {type(offload_policy).__name__} is not supported")
+    if mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"fully_shard({label}): CPUOffloadPolicy on a {mesh.device_type} mesh (offloading the shards to CPU "
+            "memory) is not supported yet; pass OffloadPolicy() or leave offload_policy out"
+        )
+    return offload_policy.pin_memory
 
 
 def _data_parallel_dims(label: str, mesh: DeviceMesh, dp_mesh_dims: Any) -> tuple[int, ...]:
@@ -910,6 +931,7 @@ def fully_shard(
             )
         dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_data_parallel_dims]
         mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
+    pin_memory = _pins_memory(label, mesh, offload_policy)
     reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
     reshard_size = None  # of a smaller group to reshard to
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -940,7 +962,7 @@ def fully_shard(
     group = None
     if usages:
         fsdp_params = [
-            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims, shard_dim)
+            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims, shard_dim, pin_memory)
             for (fqn, param), usage, shard_dim in zip(named.items(), usages.values(), shard_dims)
         ]
         group = FSDPParamGroup(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,9 +194,7 @@ class UnshardedParams:
     def free(self) -> None:
         if self.is_freed:
             return
-        for tensor in self.tensors:
-            for leaf in _storage_leaves(tensor):
-                ops.resize_storage_(leaf, 0)
+        _free_storages(self.tensors)
         self.is_freed = True
 
     def refill(self, fresh: list[torch.Tensor]) -> None:
@@ -208,9 +206,17 @@ class UnshardedParams:
                         leaf.copy_(leaf_values)
         self.is_freed = False
 
-    def live_bytes(self) -> int:
-        storages = [leaf.untyped_storage() for tensor in self.tensors for leaf in _storage_leaves(tensor)]
-        return sum({id(storage): storage.nbytes() for storage in storages}.values())
+
+
+def _free_storages(tensors: Sequence[torch.Tensor]) -> None:
+    for tensor in tensors:
+        for leaf in _storage_leaves(tensor):
+            ops.resize_storage_(leaf, 0)
+
+
+def _live_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    storages = [leaf.untyped_storage() for tensor in tensors for leaf in _storage_leaves(tensor)]
+    return sum({storage._cdata: storage.nbytes() for storage in storages}.values())
 
 
 def _storage_leaves(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -300,9 +306,10 @@ class FSDPParamGroup:
         # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
         # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
         self.reduce_scatter_unused_params = False
-        # FSDP2's set_all_reduce_hook, eager only: called on the reduced gradient before
-        # the post-division ([Note: the all-reduce hook] in compile_shard.ops).
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # FSDP2's set_all_reduce_hook: called on the reduced gradient before the
+        # post-division, found by its name ([Note: the all-reduce hook] in compile_shard.ops).
+        self.all_reduce_hook_name: str | None = None
+        self._registered_hook_name: str | None = None
         # FSDP2's set_custom_all_gather / set_custom_reduce_scatter, eager only
         # ([Note: custom collectives] in compile_shard.ops).
         self.all_gather_comm: Any = None
@@ -328,9 +335,9 @@ class FSDPParamGroup:
         self.unshard_in_backward = True
         # FSDP2's set_reshard_after_backward: False keeps the unsharded parameters after
         # backward, and the next forward computes with them instead of all-gathering
-        # ([Note: unsharded parameters gathered outside all_gather_into] in compile_shard.ops).
+        # ([Note: unsharded parameters kept after backward]).
         self.reshard_after_backward = True
-        self.kept_after_backward: UnshardedParams | None = None
+        self.kept_after_backward: tuple[torch.Tensor, ...] | None = None
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
@@ -364,6 +371,13 @@ class FSDPParamGroup:
 
     def _takes_gradients(self, part: AllGatherPart) -> bool:
         return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        """Registers the hook under the group's name for it; traced code reads only the name."""
+        if self._registered_hook_name is None:
+            self._registered_hook_name = ops.all_reduce_hook_name(self.module_name)
+        ops.set_all_reduce_hook(self._registered_hook_name, hook)
+        self.all_reduce_hook_name = None if hook is None else self._registered_hook_name
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
@@ -420,8 +434,9 @@ class FSDPParamGroup:
             all_reduce_grads,
             partial_reduce_output,
             self.reduce_scatter_group_name,
+            self.all_reduce_hook_name,
         )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None)
+        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None)
         given = len(values)
         while given and _is_default(values[given - 1], defaults[given - 1]):
             given -= 1
@@ -589,15 +604,42 @@ class FSDPParamGroup:
         where to gather (``place``), and whether backward saves the unsharded
         parameters or gathers them again (``reshard``).
         """
+        kept = self.kept_after_backward
         with annotating_group(self.annotation()):
-            tensors, _ = self._all_gather()
+            tensors, _ = self._all_gather() if kept is None else self._as_gathered(list(kept))
+        self._keep_traced(tensors, kept)
         return tensors
+
+    def _keep_traced(self, tensors: list[torch.Tensor], kept: tuple[torch.Tensor, ...] | None) -> None:
+        """What a traced forward keeps for the next one.
+
+        [Note: unsharded parameters kept after backward]
+        FSDP2's ``set_reshard_after_backward(False)``: backward keeps the unsharded
+        parameters, and the next forward computes with them instead of all-gathering
+        (``as_gathered`` gives them this forward's reduction). They are not refreshed:
+        until the setting is True again, every forward computes with the same values.
+        Eager mode keeps what backward computed with. A traced forward keeps what it
+        computes with, as a graph output the group holds: the same values, since the
+        parameters do not change between a forward and its backward, and the next
+        compiled forward takes them as graph inputs. A group is specialised on whether
+        it holds kept parameters (Dynamo guards the attribute), so a loop that keeps on
+        all micro-batches but the last runs three graphs and recompiles no more. Eager
+        mode keeps only what backward left gathered (FSDP2's), while a compiled graph
+        keeps the gathered parameters from the first forward: its backward then
+        computes with them instead of gathering again.
+        """
+        keeps = not self.reshard_after_backward and torch.is_grad_enabled()
+        if keeps and kept is None:
+            self.kept_after_backward = tuple(tensor.detach() for tensor in tensors)
+        elif not keeps and kept is not None:
+            self.kept_after_backward = None
 
     def annotation(self) -> GroupAnnotation:
         """What the pass suite learns about this group from the traced graph."""
         return GroupAnnotation(
             name=self.module_name,
-            reshard_after_forward=self.reshard_after_forward,
+            # Kept after backward, the parameters outlive the forward anyway: backward reads them, gathering nothing.
+            reshard_after_forward=self.reshard_after_forward and self.reshard_after_backward,
             members=(self.module_name,),
             model_groups=self.model_groups,
             forward_prefetch=tuple(group.module_name for group in self.forward_prefetch),
@@ -612,8 +654,6 @@ class FSDPParamGroup:
     def eager_only_settings(self) -> tuple[str, ...]:
         """The group's settings that only eager mode implements: a compiled graph refuses them."""
         settings = {
-            "set_reshard_after_backward(False)": not self.reshard_after_backward,
-            "set_all_reduce_hook": self.all_reduce_hook is not None,
             "set_custom_all_gather": self.all_gather_comm is not None,
             "set_custom_reduce_scatter": self.reduce_scatter_comm is not None,
         }
@@ -644,7 +684,7 @@ class FSDPParamGroup:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
         if self.kept_after_backward is not None:
             kept, self.kept_after_backward = self.kept_after_backward, None
-            return self._as_gathered(kept.tensors)
+            return self._as_gathered(list(kept))
         if self.all_gather_comm is not None:
             return self._custom_all_gather()
         return self._all_gather()
@@ -652,14 +692,12 @@ class FSDPParamGroup:
     def _prepare_backward(self, tensors: list[torch.Tensor], all_gather_outputs: list[torch.Tensor]) -> None:
         """What eager backward needs beyond the op's arguments.
 
-        The all-reduce hook and a custom reduce-scatter, on the all-gathers' autograd
-        nodes ([Note: the all-reduce hook] in compile_shard.ops), and a watch on each
-        unsharded parameter for whether backward reaches it ([Note: unused parameters]
-        in passes.unused_params).
+        A custom reduce-scatter, on the all-gathers' autograd nodes ([Note: custom
+        collectives] in compile_shard.ops), and a watch on each unsharded parameter for
+        whether backward reaches it ([Note: unused parameters] in passes.unused_params).
         """
         for output in all_gather_outputs:
             if output.grad_fn is not None:
-                output.grad_fn.all_reduce_hook = self.all_reduce_hook
                 output.grad_fn.reduce_scatter_comm = self.reduce_scatter_comm
         if not self.reduce_scatter_unused_params:
             for fsdp_param, tensor in zip(self.fsdp_params, tensors):
@@ -677,7 +715,7 @@ class FSDPParamGroup:
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
         if self.kept_after_backward is not None:
-            self.kept_after_backward.free()
+            _free_storages(self.kept_after_backward)
             self.kept_after_backward = None
         if self.unsharded is not None:
             self.unsharded.free()
@@ -812,7 +850,7 @@ class FSDPParamGroup:
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         if not self.reshard_after_backward and not unsharded.is_freed and self.kept_after_backward is None:
-            self.kept_after_backward = unsharded
+            self.kept_after_backward = tuple(unsharded.tensors)
         else:
             unsharded.free()
         unsharded.post_forward_chunks = None
@@ -840,4 +878,5 @@ class FSDPParamGroup:
     def live_unsharded_bytes(self) -> int:
         """Bytes of unsharded storage alive for this group, also inside autograd's graph."""
         self._live = [ref for ref in self._live if ref() is not None]
-        return sum(ref().live_bytes() for ref in self._live)
+        tensors = [tensor for ref in self._live for tensor in ref().tensors] + list(self.kept_after_backward or ())
+        return _live_bytes(tensors)

@@ -228,10 +228,12 @@ class FSDPParam:
         mesh: DeviceMesh,
         spmd_data_parallel_dims: tuple[int, ...] = (),
         shard_dim: int = 0,
+        pin_memory: bool = False,
     ):
         """``mesh``: the data-parallel mesh. ``spmd_data_parallel_dims``: with ``dp_mesh_dims``, the data-parallel
         dims of the parameter's own (SPMD) mesh, the shard dim last. ``shard_dim``: the dim ``shard_placement_fn``
-        chose ([Note: sharding on another dim])."""
+        chose ([Note: sharding on another dim]). ``pin_memory``: the padded shard is in pinned memory
+        (``CPUOffloadPolicy`` on a CPU mesh)."""
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -263,7 +265,8 @@ class FSDPParam:
         start = min(self.rank * self.padded_rows, data.size(0))
         end = min(start + self.padded_rows, data.size(0))
         self.shard_rows = end - start
-        self.padded_shard = data.new_zeros((self.padded_rows, *data.shape[1:]))
+        self.pin_memory = pin_memory
+        self.padded_shard = self._new_padded_shard(data)
         with torch.no_grad():
             self.padded_shard[: self.shard_rows].copy_(data[start:end])
         local_tensor = self.rows_of(self.padded_shard[: self.shard_rows])
@@ -432,6 +435,10 @@ class FSDPParam:
                 f"{device_type!r} devices. Move the module with module.to({device_type!r}) before its forward"
             )
 
+    def _new_padded_shard(self, like: torch.Tensor) -> torch.Tensor:
+        padded = like.new_zeros((self.padded_rows, *like.shape[1:]))
+        return padded.pin_memory() if self.pin_memory and not padded.is_meta else padded
+
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
         local_tensor = self.local_tensor
@@ -445,10 +452,11 @@ class FSDPParam:
         if (
             local_tensor.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
             and local_tensor.dtype == self.padded_shard.dtype
+            and (not self.pin_memory or local_tensor.is_meta or local_tensor.is_pinned())
         ):
             return
         rows = self.rows_of(local_tensor)
-        padded = rows.new_zeros((self.padded_rows, *rows.shape[1:]))
+        padded = self._new_padded_shard(rows)
         with torch.no_grad():
             padded[: self.shard_rows].copy_(rows)
         ops.set_(local_tensor, self.rows_of(padded[: self.shard_rows]))

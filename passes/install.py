@@ -166,10 +166,6 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
 
 # Why each setting that only eager mode implements cannot take part in a compiled graph.
 _EAGER_ONLY_REASONS = {
-    "set_reshard_after_backward(False)": "a compiled graph all-gathers in every forward and keeps nothing across "
-    "steps (accumulate with set_requires_gradient_sync(False) alone)",
-    "set_all_reduce_hook": "a compiled backward cannot call a Python hook between its collectives (do the hook's "
-    "work on the sharded gradients after backward)",
     "set_custom_all_gather": "a compiled graph's all-gathers are the collectives the pass suite lowers and schedules",
     "set_custom_reduce_scatter": "a compiled graph's reduce-scatters are the collectives the pass suite lowers and "
     "schedules",

@@ -126,3 +126,10 @@ def test_a_model_built_on_the_cpu_moves_to_the_mesh_device_as_in_torch_fsdp2(ncc
     theirs = dict(torch_model.named_parameters())
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
+
+
+def test_cpu_offload_on_a_cuda_mesh_is_not_implemented(nccl_world_of_one):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): CPUOffloadPolicy on a cuda mesh"):
+        fully_shard(torch.nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())

@@ -318,8 +318,11 @@ class _Tower(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(x))))
 
 
-def _all_reduce_hook_worker(rank, world_size):
-    """A hook that records and halves each group's reduced gradient: FSDP2's calls, inputs and gradients."""
+def _all_reduce_hook_worker(rank, world_size, backend):
+    """A hook that records and halves each group's reduced gradient: FSDP2's calls, inputs and gradients.
+
+    Two steps, each with fresh records: a compiled backward calls the hook in every step.
+    """
     models, seen = [], []
     for shard in (fully_shard, torch_fully_shard):
         model, _ = build_sharded_llama(LlamaConfig(), shard=shard)
@@ -334,18 +337,22 @@ def _all_reduce_hook_worker(rank, world_size):
                 module.set_all_reduce_hook(lambda reduced, name=name, hook=hook: hook(reduced, name=name))
         models.append(model)
         seen.append(calls)
-    tokens = global_batch(0, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
-    for model in models:
-        lm_loss(model, tokens).backward()
-    assert seen[0].keys() == seen[1].keys() == {"", "layers.0", "layers.1"}
-    for name, reduced in seen[0].items():
-        torch.testing.assert_close(reduced, seen[1][name], rtol=0, atol=0, msg=name)
-    for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
-        torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+    runnables = [models[0] if backend is None else torch.compile(models[0], backend=backend), models[1]]
+    for step in range(2):
+        tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
+        for runnable, calls in zip(runnables, seen):
+            calls.clear()
+            lm_loss(runnable, tokens).backward()
+        assert seen[0].keys() == seen[1].keys() == {"", "layers.0", "layers.1"}, step
+        for name, reduced in seen[0].items():
+            torch.testing.assert_close(reduced, seen[1][name], rtol=0, atol=0, msg=name)
+        for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
 
 
-def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see():
-    run_gloo(_all_reduce_hook_worker, 2)
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see(backend):
+    run_gloo(_all_reduce_hook_worker, 2, backend)
 
 
 class CountingAllGather:
@@ -430,12 +437,10 @@ def test_separate_reduce_scatter_group_matches_torch_fsdp2_and_compiles_onto_tha
 @pytest.mark.parametrize(
     "setting, call",
     [
-        ("set_reshard_after_backward(False)", lambda m: m.set_reshard_after_backward(False)),
-        ("set_all_reduce_hook", lambda m: m.set_all_reduce_hook(lambda reduced: None)),
         ("set_custom_all_gather", lambda m: m.set_custom_all_gather(CountingAllGather())),
         ("set_custom_reduce_scatter", lambda m: m.set_custom_reduce_scatter(CountingReduceScatter())),
     ],
-    ids=["reshard_after_backward", "all_reduce_hook", "custom_all_gather", "custom_reduce_scatter"],
+    ids=["custom_all_gather", "custom_reduce_scatter"],
 )
 def test_compiling_a_module_with_an_eager_only_setting_raises(fake_pg, setting, call):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
@@ -517,15 +522,55 @@ def test_arguments_that_mean_what_compile_shard_does_are_accepted(fake_pg):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
         (dict(shard_placement_fn=lambda param: Shard(1) if param.dim() == 2 else None), "must be even"),
         (dict(shard_placement_fn=lambda param: Replicate()), "return Shard"),
     ],
-    ids=["cpu_offload", "uneven_shard_1", "replicate"],
+    ids=["uneven_shard_1", "replicate"],
 )
 def test_arguments_not_supported_yet_raise(fake_pg, kwargs, message):
     with pytest.raises(NotImplementedError, match=message):
         fully_shard(nn.Linear(3, 4), **kwargs)
+
+
+def _cpu_offload_worker(rank, world_size, backend):
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = _Tower()
+        shard(model.blocks, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        models.append(model)
+    ours, theirs = models
+    runnable = ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    atol = 0.0 if backend is None else 1e-6
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model in (runnable, theirs):
+            model(x).square().mean().backward()
+        for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=atol, msg=name)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(param.full_tensor(), other.full_tensor(), rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_cpu_offload_on_a_cpu_mesh_matches_torch_fsdp2(backend):
+    """On a CPU mesh everything already lives in CPU memory: CPUOffloadPolicy trains as FSDP2 trains with it."""
+    run_gloo(_cpu_offload_worker, 2, backend)
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="pins memory where an accelerator is available")
+def test_cpu_offload_pinning_memory_without_an_accelerator_fails_as_in_torch_fsdp2(fake_pg):
+    errors = []
+    for shard in (fully_shard, torch_fully_shard):
+        with pytest.raises(RuntimeError) as error:
+            shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+        errors.append(str(error.value))
+    assert errors[0] == errors[1], errors
 
 
 def test_a_shard_dim_out_of_range_is_refused(fake_pg):

@@ -88,8 +88,13 @@ def _reductions_in(graph) -> int:
     return sum(kind is not None and kind.kind in ("reduce_scatter", "all_to_all") for kind in kinds)
 
 
-def _compiled_worker(rank, world_size):
-    """aot_eager against eager, micro-batch by micro-batch; the reductions each backward graph holds."""
+def _compiled_worker(rank, world_size, keep_unsharded):
+    """aot_eager against eager, micro-batch by micro-batch; the reductions each backward graph holds.
+
+    ``keep_unsharded``: all micro-batches but the last keep the unsharded parameters
+    (``set_reshard_after_backward(False)``), so the compiled step gathers each group
+    once, in the first micro-batch's forward.
+    """
     backward_reductions = []
 
     def forward_compiler(graph_module, example_inputs):
@@ -110,20 +115,31 @@ def _compiled_worker(rank, world_size):
         local = tokens[2 * MICRO_BATCHES * rank : 2 * MICRO_BATCHES * (rank + 1)]
         # Eager is the reference for the first steps; the later ones count recompiles only.
         runs = ((compiled_model, runnable), (eager_model, eager_model)) if step < 3 else ((compiled_model, runnable),)
+        compiled_gathers = 0
         for index, micro_batch in enumerate(local.chunk(MICRO_BATCHES)):
             for model, run in runs:
                 model.set_requires_gradient_sync(index == MICRO_BATCHES - 1)
-                (lm_loss(run, micro_batch) / MICRO_BATCHES).backward()
+                if keep_unsharded:
+                    model.set_reshard_after_backward(index == MICRO_BATCHES - 1)
+                with CollectiveCounter() as counter:
+                    (lm_loss(run, micro_batch) / MICRO_BATCHES).backward()
+                if model is compiled_model:
+                    compiled_gathers += counter.counts["all_gather"]
+        # Blocks reshard after forward: without keeping, backward gathers them again in every micro-batch.
+        assert compiled_gathers == (GROUPS if keep_unsharded else MICRO_BATCHES * (2 * GROUPS - 1)), compiled_gathers
         if step < 3:
             for (name, param), other in zip(compiled_model.named_parameters(), eager_model.parameters()):
                 torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    # One graph per setting: no reduction while accumulating, one per group with sync on.
-    assert backward_reductions == [0, GROUPS], backward_reductions
-    assert recompiles() == 1  # the second setting's graph, then none over 20 steps
+    # One graph per setting: no reduction while accumulating, one per group with sync on. Keeping
+    # the unsharded parameters adds a graph for the micro-batches that compute with kept ones.
+    expected = [0, 0, GROUPS] if keep_unsharded else [0, GROUPS]
+    assert backward_reductions == expected, backward_reductions
+    assert recompiles() == len(expected) - 1  # then none over 20 steps
 
 
-def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting():
-    run_gloo(_compiled_worker, 2)
+@pytest.mark.parametrize("keep_unsharded", [False, True], ids=["resharding", "keeping_unsharded"])
+def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting(keep_unsharded):
+    run_gloo(_compiled_worker, 2, keep_unsharded)

@@ -11,8 +11,10 @@ One module per job; importing this package registers every op:
 - ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
   ``post_forward_chunk``, ``as_gathered`` (``all_gather_into``'s autograd for unsharded
-  parameters gathered another way) and, eager only, ``as_gathered_views`` (the same for
-  tensor subclasses) and ``all_gather_with`` (an all-gather by a custom comm object);
+  parameters gathered another way), ``call_all_reduce_hook_`` (a group's all-reduce
+  hook, registered by name with ``all_reduce_hook_name`` and ``set_all_reduce_hook``)
+  and, eager only, ``as_gathered_views`` (``as_gathered`` for tensor subclasses) and
+  ``all_gather_with`` (an all-gather by a custom comm object);
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
   ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
 - ``storage``: ``set_``, ``resize_storage_``;
@@ -41,12 +43,14 @@ none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 from . import transport
 from .all_gather import (
     all_gather_into,
+    all_reduce_hook_name,
     all_gather_params_,
     all_gather_with,
     all_gather_send_recv_,
     as_gathered,
     as_gathered_views,
     post_forward_chunk,
+    set_all_reduce_hook,
 )
 from .backend import gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
@@ -61,12 +65,14 @@ from .storage import resize_storage_, set_
 
 __all__ = [
     "all_gather_into",
+    "all_reduce_hook_name",
     "all_gather_with",
     "all_gather_params_",
     "all_gather_send_recv_",
     "as_gathered",
     "as_gathered_views",
     "post_forward_chunk",
+    "set_all_reduce_hook",
     "all_to_all_grads_",
     "all_to_all_into_",
     "gathers_by_send_recv",

@@ -8,7 +8,7 @@ replaces a group's copy-in, all-gather and copy-out in gloo's compiled graphs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ _REDUCTION_OPTIONS = (
     "str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
-    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None"
+    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None, str? all_reduce_hook=None"
 )
 _lib.define(
     f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
@@ -40,6 +40,7 @@ _lib.define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
     "str group_name) -> ()"
 )
+_lib.define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
 _lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
 _lib.define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
@@ -92,6 +93,7 @@ class _Options:
     all_reduce_grads: bool = True
     partial_reduce_output: torch.Tensor | None = None
     reduce_scatter_group_name: str | None = None
+    all_reduce_hook: str | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
@@ -204,15 +206,8 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         funcol = torch.ops._c10d_functional
         reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
         sharded_grad = funcol.wait_tensor(reduced)
-    # [Note: the all-reduce hook]
-    # FSDP2's set_all_reduce_hook: a Python callable on the reduced gradient (the
-    # reduce-scatter's output, after HSDP's all-reduce), in place, before the
-    # post-division. No op argument can carry a callable, so eager mode sets it on the
-    # all-gather's autograd node, which is ``ctx``, as it does a custom reduce-scatter;
-    # compiled graphs refuse a group with either.
-    all_reduce_hook = getattr(ctx, "all_reduce_hook", None)
-    if all_reduce_hook is not None:
-        all_reduce_hook(sharded_grad)
+    if options.all_reduce_hook is not None:  # [Note: the all-reduce hook]
+        torch.ops.fsdp.call_all_reduce_hook_(sharded_grad, options.all_reduce_hook)
     if options.postdivide_factor != 1.0:
         sharded_grad = sharded_grad / options.postdivide_factor
     if len(set(ctx.shard_dtypes)) == 1:
@@ -223,6 +218,48 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
             sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
         )
     ]
+
+
+# The all-reduce hook -----------------------------------------------------------------
+# [Note: the all-reduce hook]
+# FSDP2's set_all_reduce_hook: a Python callable on the reduced gradient (the
+# reduce-scatter's output, after HSDP's all-reduce), in place, before the
+# post-division. No op argument can carry a callable, so a group registers its hook
+# under a name (``all_reduce_hook_name``, ``set_all_reduce_hook``) and passes the name
+# as ``all_reduce_hook``; the reduction then calls ``fsdp::call_all_reduce_hook_(reduced,
+# name)``, whose kernel calls the hook the name has at that moment, as FSDP2 reads its
+# hook when it reduces. Traced, that op stays in the backward graph (AOTAutograd
+# functionalizes it, Inductor calls its kernel): a compiled backward calls the Python
+# hook in every step, with the real gradient, so its side effects and collectives run
+# as in eager mode and none of it is traced. Names are numbered in the order groups
+# first set a hook, which is the same on every rank and in every run of a program, so
+# a graph from the compile caches calls the hook registered under its name now.
+
+_ALL_REDUCE_HOOKS: dict[str, Callable[[torch.Tensor], None] | None] = {}
+
+
+def all_reduce_hook_name(label: str) -> str:
+    """A new name to register a group's all-reduce hook under, unique in the process."""
+    name = f"{label}#{len(_ALL_REDUCE_HOOKS)}"
+    _ALL_REDUCE_HOOKS[name] = None
+    return name
+
+
+def set_all_reduce_hook(name: str, hook: Callable[[torch.Tensor], None] | None) -> None:
+    _ALL_REDUCE_HOOKS[name] = hook
+
+
+def _call_all_reduce_hook_kernel(reduced, hook):
+    registered = _ALL_REDUCE_HOOKS.get(hook)
+    torch._check(registered is not None, lambda: f"fsdp::call_all_reduce_hook_: no all-reduce hook named {hook!r}")
+    registered(reduced)
+
+
+def _call_all_reduce_hook_meta(reduced, hook):
+    return None
+
+
+register_kernels("call_all_reduce_hook_", _call_all_reduce_hook_kernel, _call_all_reduce_hook_meta)
 
 
 # Custom collectives ------------------------------------------------------------------
