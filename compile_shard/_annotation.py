@@ -56,9 +56,6 @@ class GroupAnnotation:
     # FSDP2's set_reduce_scatter_unused_params: an unused parameter gets a zero gradient
     # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
     reduce_scatter_unused_params: bool = False
-    # The FSDP2 settings of the group that only eager mode implements, by method name
-    # (``set_custom_all_gather``): the joint pass refuses a graph with any.
-    eager_only_settings: tuple[str, ...] = ()
 
 
 _ANNOTATION_FIELDS = tuple(field.name for field in dataclasses.fields(GroupAnnotation))

@@ -490,28 +490,29 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 )
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Gathers this module's group with ``comm`` (FSDP2's ``AllGather`` protocol; not recursive; eager only).
+        """Gathers this module's group with ``comm`` (FSDP2's ``AllGather``; not recursive), eager and compiled.
 
         ``comm.allocate(size, dtype=, device=)`` makes the all-gather output and
-        ``comm(output_tensor=, input_tensor=, group=)`` runs it, as in FSDP2
-        ([Note: custom collectives] in compile_shard.ops). Compiling a module with a
-        custom all-gather raises.
+        ``comm(output_tensor=, input_tensor=, group=, async_op=)`` runs it, as in FSDP2;
+        a compiled graph calls it in every step ([Note: custom collectives] in
+        compile_shard.ops.all_gather). ``None`` goes back to compile_shard's all-gather.
         """
         for group in self._groups():
-            group.all_gather_comm = comm
+            group.set_custom_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Reduce-scatters this module's gradients with ``comm`` (FSDP2's ``ReduceScatter`` protocol; eager only).
+        """Reduce-scatters this module's gradients with ``comm`` (FSDP2's ``ReduceScatter``), eager and compiled.
 
         ``comm.allocate`` makes the reduce-scatter input and output, and
-        ``comm(output_tensor=, input_tensor=, group=, op=)`` runs it, as in FSDP2.
-        Compiling a module with a custom reduce-scatter raises.
+        ``comm(output_tensor=, input_tensor=, group=, op=)`` runs it, as in FSDP2; a
+        compiled backward calls it in every step. ``None`` goes back to compile_shard's
+        reduce-scatter.
         """
         for group in self._groups():
-            group.reduce_scatter_comm = comm
+            group.set_custom_reduce_scatter(comm)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None, *, stream: Any = None) -> None:
-        """Calls ``hook(reduced_gradient)`` in every backward of this module's group (not recursive), eager and compiled.
+        """Calls ``hook(reduced_gradient)`` in each backward of this module's group (not recursive), eager and compiled.
 
         FSDP2's semantics: the hook gets the group's reduce-scatter output (after
         HSDP's all-reduce), flat and padded, in the reduction dtype, and may change it

@@ -38,6 +38,9 @@ _TABLE = {
     ("fsdp", "all_gather_params_"): Collective("all_gather", size_arg=3, in_place=True, group_arg=4),
     ("fsdp", "all_to_all_into_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
     ("fsdp", "all_to_all_grads_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
+    # A custom comm's collectives, waited by a wait_tensor ([Note: custom collectives] in compile_shard.ops).
+    ("fsdp", "all_gather_with_comm"): Collective("all_gather", size_arg=1, group_arg=2),
+    ("fsdp", "reduce_scatter_with_comm"): Collective("reduce_scatter", size_arg=1, group_arg=2),
     # torch's functional collectives: what compiled graphs hold after lowering.
     ("_c10d_functional", "all_gather_into_tensor"): Collective("all_gather", size_arg=1, group_arg=2),
     ("_c10d_functional", "all_gather_into_tensor_out"): Collective("all_gather", size_arg=1, group_arg=2),

@@ -306,14 +306,13 @@ class FSDPParamGroup:
         # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
         # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
         self.reduce_scatter_unused_params = False
-        # FSDP2's set_all_reduce_hook: called on the reduced gradient before the
-        # post-division, found by its name ([Note: the all-reduce hook] in compile_shard.ops).
+        # FSDP2's set_all_reduce_hook, set_custom_all_gather and set_custom_reduce_scatter:
+        # the names the ops find the hook and the comms by, None where unset ([Note:
+        # Python objects named in op arguments] in compile_shard.ops.names).
         self.all_reduce_hook_name: str | None = None
-        self._registered_hook_name: str | None = None
-        # FSDP2's set_custom_all_gather / set_custom_reduce_scatter, eager only
-        # ([Note: custom collectives] in compile_shard.ops).
-        self.all_gather_comm: Any = None
-        self.reduce_scatter_comm: Any = None
+        self.all_gather_comm_name: str | None = None
+        self.reduce_scatter_comm_name: str | None = None
+        self._names: dict[str, str] = {}
         # FSDP2's set_separate_reduce_scatter_group: the reduce-scatters' own process group
         # over the shard group's ranks, eager and compiled (None: the shard group's).
         self.reduce_scatter_group_name: str | None = None
@@ -373,11 +372,29 @@ class FSDPParamGroup:
         return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
-        """Registers the hook under the group's name for it; traced code reads only the name."""
-        if self._registered_hook_name is None:
-            self._registered_hook_name = ops.all_reduce_hook_name(self.module_name)
-        ops.set_all_reduce_hook(self._registered_hook_name, hook)
-        self.all_reduce_hook_name = None if hook is None else self._registered_hook_name
+        self.all_reduce_hook_name = self._bind("all_reduce_hook", hook)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        if comm is not None and self.has_extensions:
+            raise NotImplementedError(
+                f"fully_shard({self.module_name!r}): set_custom_all_gather is not supported for a group with "
+                "all-gather extensions (fsdp_pre_all_gather)"
+            )
+        self.all_gather_comm_name = self._bind("all_gather_comm", comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        self.reduce_scatter_comm_name = self._bind("reduce_scatter_comm", comm)
+
+    def _bind(self, role: str, obj: Any) -> str | None:
+        """Registers ``obj`` under the group's name for ``role``; returns that name, or None for no object.
+
+        One name per group and role, so that setting another object needs no recompile;
+        traced code reads only the name.
+        """
+        if role not in self._names:
+            self._names[role] = ops.new_name(f"{self.module_name}.{role}")
+        ops.bind(self._names[role], obj)
+        return None if obj is None else self._names[role]
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
         self.reduce_scatter_unused_params = reduce_scatter_unused_params
@@ -435,8 +452,10 @@ class FSDPParamGroup:
             partial_reduce_output,
             self.reduce_scatter_group_name,
             self.all_reduce_hook_name,
+            self.all_gather_comm_name,
+            self.reduce_scatter_comm_name,
         )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None)
+        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None)
         given = len(values)
         while given and _is_default(values[given - 1], defaults[given - 1]):
             given -= 1
@@ -509,31 +528,6 @@ class FSDPParamGroup:
                     rows = _unpadded(outputs[0], fsdp_param.unsharded_shape[0])
                     unsharded.append(fsdp_param.unsharded_from_rows(rows))
         return unsharded
-
-    def _custom_all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The unsharded parameters gathered by the custom all-gather ([Note: custom collectives])."""
-        if self.has_extensions:
-            raise NotImplementedError(
-                f"fully_shard({self.module_name}): set_custom_all_gather is not supported for a group with "
-                "all-gather extensions (fsdp_pre_all_gather)"
-            )
-        outputs, rank = [], self.fsdp_params[0].rank
-        for part in self.all_gather_parts:
-            shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
-            outputs.append(
-                ops.all_gather_with(
-                    self.all_gather_comm,
-                    shards,
-                    part.padded_numels,
-                    self.world_size,
-                    rank,
-                    self.group_name,
-                    part.param_dtype,
-                )
-            )
-        with torch.no_grad():
-            gathered = self._copy_out(outputs)
-        return self._as_gathered(gathered)
 
     def _as_gathered(self, gathered: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Unsharded parameters gathered another way as a new all-gather's outputs.
@@ -648,16 +642,7 @@ class FSDPParamGroup:
             if self.reshard_group is None
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
             reduce_scatter_unused_params=self.reduce_scatter_unused_params,
-            eager_only_settings=self.eager_only_settings(),
         )
-
-    def eager_only_settings(self) -> tuple[str, ...]:
-        """The group's settings that only eager mode implements: a compiled graph refuses them."""
-        settings = {
-            "set_custom_all_gather": self.all_gather_comm is not None,
-            "set_custom_reduce_scatter": self.reduce_scatter_comm is not None,
-        }
-        return tuple(name for name, is_set in settings.items() if is_set)
 
     # Lifecycle --------------------------------------------------------------------
 
@@ -671,7 +656,7 @@ class FSDPParamGroup:
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self._live.append(weakref.ref(self.unsharded))
-            self._prepare_backward(tensors, all_gather_outputs)
+            self._watch_use(tensors)
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
         elif self.unsharded.is_freed:
@@ -685,20 +670,11 @@ class FSDPParamGroup:
         if self.kept_after_backward is not None:
             kept, self.kept_after_backward = self.kept_after_backward, None
             return self._as_gathered(list(kept))
-        if self.all_gather_comm is not None:
-            return self._custom_all_gather()
         return self._all_gather()
 
-    def _prepare_backward(self, tensors: list[torch.Tensor], all_gather_outputs: list[torch.Tensor]) -> None:
-        """What eager backward needs beyond the op's arguments.
-
-        A custom reduce-scatter, on the all-gathers' autograd nodes ([Note: custom
-        collectives] in compile_shard.ops), and a watch on each unsharded parameter for
-        whether backward reaches it ([Note: unused parameters] in passes.unused_params).
-        """
-        for output in all_gather_outputs:
-            if output.grad_fn is not None:
-                output.grad_fn.reduce_scatter_comm = self.reduce_scatter_comm
+    def _watch_use(self, tensors: list[torch.Tensor]) -> None:
+        """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in
+        passes.unused_params)."""
         if not self.reduce_scatter_unused_params:
             for fsdp_param, tensor in zip(self.fsdp_params, tensors):
                 if tensor.requires_grad:
@@ -725,8 +701,6 @@ class FSDPParamGroup:
         with torch.no_grad():
             if unsharded.post_forward_chunks is not None:
                 fresh = self._all_gather_post_forward_chunks(unsharded.post_forward_chunks)
-            elif self.all_gather_comm is not None:
-                fresh, _ = self._custom_all_gather()
             else:
                 fresh, _ = self._all_gather()
         unsharded.refill(fresh)

@@ -68,6 +68,9 @@ def _bucket_key(all_gather: fx.Node) -> tuple:
     return world_size, group_name, reduce_scatter_group, dtypes, *resharding
 
 
+_CUSTOM_COMMS = ("all_gather_comm", "reduce_scatter_comm")
+
+
 def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
     """Runs of all-gathers, in forward order, to merge; each run within ``cap_bytes``."""
     position = {node: index for index, node in enumerate(graph.nodes)}
@@ -84,6 +87,8 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
     runs, current = [], []
     for _, node in ordered:
         mergeable = per_group[group_annotation(node).name] == 1 and _copy_out_split(node) is not None
+        # A custom comm collects one group's buffers, as in FSDP2 ([Note: custom collectives] in compile_shard.ops).
+        mergeable = mergeable and not any(op_argument(node, name) for name in _CUSTOM_COMMS)
         size = node.meta["val"].untyped_storage().nbytes()
         fits = current and _bucket_key(current[0]) == _bucket_key(node)
         fits = fits and sum(n.meta["val"].untyped_storage().nbytes() for n in current) + size <= cap_bytes

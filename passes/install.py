@@ -164,26 +164,6 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     return moved
 
 
-# Why each setting that only eager mode implements cannot take part in a compiled graph.
-_EAGER_ONLY_REASONS = {
-    "set_custom_all_gather": "a compiled graph's all-gathers are the collectives the pass suite lowers and schedules",
-    "set_custom_reduce_scatter": "a compiled graph's reduce-scatters are the collectives the pass suite lowers and "
-    "schedules",
-}
-
-
-def _refuse_eager_only_settings(graph: fx.Graph) -> None:
-    """Raises for a group with a setting only eager mode implements, naming the group, the setting and why."""
-    for all_gather in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
-        annotation = group_annotation(all_gather)
-        if annotation is not None and annotation.eager_only_settings:
-            reasons = "; ".join(f"{name}: {_EAGER_ONLY_REASONS[name]}" for name in annotation.eager_only_settings)
-            raise NotImplementedError(
-                f"fully_shard({annotation.name!r}) is compiled with settings implemented in eager mode only. "
-                f"{reasons}. Undo them before compiling"
-            )
-
-
 class _JointPass:
     """The functorch joint-graph hook: the suite, then the previously installed pass."""
 
@@ -192,7 +172,6 @@ class _JointPass:
 
     def __call__(self, graph_module: fx.GraphModule, joint_inputs):
         if has_sharded_params(graph_module.graph):
-            _refuse_eager_only_settings(graph_module.graph)
             warn_if_partial(graph_module.graph)
             run_suite(graph_module.graph)
             graph_module.recompile()

@@ -8,7 +8,10 @@ which autograd built from the gradients as padding, views and a ``cat``, becomes
 ``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse on purpose
 ([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a gradient
 reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and averages
-([Note: gloo reduce-scatter] in ``compile_shard.ops``). Every new node inherits the replaced node's metadata (group
+([Note: gloo reduce-scatter] in ``compile_shard.ops``). A group with a custom
+all-gather or reduce-scatter gets ``fsdp.all_gather_with_comm`` or
+``fsdp.reduce_scatter_with_comm`` and a wait instead of the c10d collective ([Note:
+custom collectives] in ``compile_shard.ops.all_gather``). Every new node inherits the replaced node's metadata (group
 annotation, recompute tags), so the partitioner treats the lowered chain exactly as
 the ``fsdp`` node it replaces.
 """
@@ -54,7 +57,11 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
         padded.append(flat if pad == 0 else insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0))
     all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
     inserted = [*casts, *padded, all_gather_input]
-    if world_size == 1:  # [Note: a group of one rank] in compile_shard.ops
+    comm = op_argument(node, "all_gather_comm")
+    if comm is not None:  # [Note: custom collectives] in compile_shard.ops.all_gather
+        inserted.append(insert(fsdp.all_gather_with_comm.default, all_gather_input, world_size, group_name, comm))
+        gathered = insert(c10d.wait_tensor.default, inserted[-1])
+    elif world_size == 1:  # [Note: a group of one rank] in compile_shard.ops
         gathered = all_gather_input
     else:
         inserted.append(insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name))
@@ -167,10 +174,14 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         dtype = () if reduce_dtype is None else (reduce_dtype,)
         unsharded_grad = insert(fsdp.reduce_scatter_input.default, gradients, world_size, *dtype)
     shard_numel = node.meta["val"].numel()
+    comm = op_argument(node, "comm")
     if world_size == 1:  # [Note: a group of one rank] in compile_shard.ops: a sum or an average of one
         sharded_grad = unsharded_grad
         if unsharded_grad.meta["val"].dim() != 1:
             sharded_grad = insert(aten.reshape.default, unsharded_grad, [-1])
+    elif comm is not None:  # [Note: custom collectives] in compile_shard.ops.all_gather
+        reduced = insert(fsdp.reduce_scatter_with_comm.default, unsharded_grad, world_size, group_name, reduce_op, comm)
+        sharded_grad = insert(c10d.wait_tensor.default, reduced)
     elif reduces_by_all_to_all(group_name, unsharded_grad.meta["val"].device) and is_concrete_int(shard_numel):
         split_sizes = [int(shard_numel)] * world_size
         if unsharded_grad.meta["val"].dim() != 1:

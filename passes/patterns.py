@@ -4,7 +4,8 @@ A group's forward, as the runtime traces it ([Note: traced unshard]) and ``lower
 rewrites it:
 
 - the all-gather: ``fsdp.all_gather_into`` (the all-gather output), or after
-  ``lower`` a ``_c10d_functional`` all-gather whose ``wait_tensor`` holds the
+  ``lower`` a ``_c10d_functional`` all-gather (or a custom comm's
+  ``fsdp.all_gather_with_comm``) whose ``wait_tensor`` holds the
   all-gather output; ``all_gather_outputs`` finds these, ``waited_node`` the buffer a
   collective's wait reads;
 - the copy-out: the all-gather output viewed rank-major, split into each
@@ -48,6 +49,10 @@ _CHAIN_OPS = {
 }
 
 
+# What ``lower`` makes of a group's all-gather: a c10d all-gather, or a custom comm's.
+_LOWERED_GATHERS = (c10d.all_gather_into_tensor.default, fsdp.all_gather_with_comm.default)
+
+
 def only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -66,7 +71,7 @@ def _is_gathered(node: fx.Node) -> bool:
         return False
     if node.target is fsdp.all_gather_into.default:
         return True
-    return node.target is c10d.wait_tensor.default and node.args[0].target is c10d.all_gather_into_tensor.default
+    return node.target is c10d.wait_tensor.default and node.args[0].target in _LOWERED_GATHERS
 
 
 def all_gather_outputs(graph: fx.Graph) -> list[fx.Node]:

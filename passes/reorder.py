@@ -39,13 +39,14 @@ import torch.fx as fx
 
 from compile_shard._annotation import group_annotation
 
-from ._graph import c10d, is_backward, reorder_by_priority
+from ._graph import c10d, fsdp, is_backward, reorder_by_priority
 from .patterns import chain_readers, copy_out_chain
 
-_GATHER = (c10d.all_gather_into_tensor.default,)
+# A custom comm's collectives count too ([Note: custom collectives] in compile_shard.ops.all_gather).
+_GATHER = (c10d.all_gather_into_tensor.default, fsdp.all_gather_with_comm.default)
 # A gradient reduction is a reduce-scatter, or an all-to-all where the backend has no
 # reduce-scatter (see [Note: gloo reduce-scatter] in ``compile_shard.ops``).
-_REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default)
+_REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default, fsdp.reduce_scatter_with_comm.default)
 
 
 @dataclass

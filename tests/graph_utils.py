@@ -52,6 +52,8 @@ def op_counts(graph: fx.Graph) -> Counter:
         c10d.all_to_all_single.default: "all_to_all",
         fsdp.all_to_all_into_.default: "all_to_all_into_",
         fsdp.all_to_all_grads_.default: "all_to_all_grads_",
+        fsdp.all_gather_with_comm.default: "fsdp.all_gather_with_comm",
+        fsdp.reduce_scatter_with_comm.default: "fsdp.reduce_scatter_with_comm",
         c10d.wait_tensor.default: "wait",
     }
     return Counter(names[node.target] for node in graph.nodes if node.target in names)

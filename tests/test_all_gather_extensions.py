@@ -366,3 +366,12 @@ def test_uneven_inputs_of_another_size_raise(fake_pg):
     fully_shard(model)
     with pytest.raises(ValueError, match=r"'output.weight' is sharded unevenly \(1001 rows over 2 ranks\)"):
         model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_custom_all_gather_is_refused_for_a_group_with_extensions(fake_pg):
+    """compile_shard gathers an extension's inputs itself, so a custom all-gather would be ignored there."""
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(Int8Rows(model.weight.data))
+    fully_shard(model)
+    with pytest.raises(NotImplementedError, match=r"fully_shard\('Linear'\): set_custom_all_gather is not supported"):
+        model.set_custom_all_gather(object())

@@ -1,5 +1,7 @@
 """The ``fsdp`` op library: opcheck, real gloo kernels, and functionalization."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -282,3 +284,19 @@ def test_in_place_parameter_exchanges_reject_wrong_outputs():
         torch.ops.fsdp.all_to_all_grads_(torch.empty(6, 2, device=meta), [torch.empty(3, 3, device=meta)], 2, "0")
     with pytest.raises(RuntimeError, match="fsdp::all_to_all_grads_: every gradient needs a dim 0 to split"):
         torch.ops.fsdp.all_to_all_grads_(torch.empty(2, device=meta), [torch.empty((), device=meta)], 2, "0")
+
+
+def test_an_op_calling_a_python_object_by_name_finds_the_one_bound_now_and_names_what_is_missing():
+    """[Note: Python objects named in op arguments]: the name is looked up when the op runs."""
+    name = ops.new_name("block.all_reduce_hook")
+    calls = []
+    for factor in (2.0, 3.0):
+        ops.bind(name, lambda reduced, factor=factor: (calls.append(factor), reduced.mul_(factor)))
+        reduced = torch.ones(3)
+        torch.ops.fsdp.call_all_reduce_hook_(reduced, name)
+        assert torch.equal(reduced, torch.full((3,), factor))
+    assert calls == [2.0, 3.0]
+    ops.bind(name, None)
+    missing = f"fsdp::call_all_reduce_hook_: no object is registered under the name '{name}'"
+    with pytest.raises(RuntimeError, match=re.escape(missing)):
+        torch.ops.fsdp.call_all_reduce_hook_(torch.ones(3), name)

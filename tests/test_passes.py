@@ -417,6 +417,29 @@ def test_lower_keeps_a_slice_scatter_into_nonzero_rows_as_the_gradient():
     assert padded.target is aten.slice_scatter.default and bias_grad.op == "placeholder"
 
 
+def test_lower_gives_a_custom_comm_its_own_collectives_each_with_a_wait():
+    """[Note: custom collectives]: the comm's ops replace the c10d collectives; the comm averages, no division."""
+
+    def fn(shard_w, shard_b, grad):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP, all_gather_comm="ag")
+        return gathered, torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, "avg", "rs")
+
+    graph_module = trace(fn, torch.randn(2, 4), torch.randn(1), torch.randn(28))
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    assert lower(graph_module.graph) == 2
+    assert op_counts(graph_module.graph) == {
+        "fsdp.all_gather_with_comm": 1,
+        "fsdp.reduce_scatter_with_comm": 1,
+        "wait": 2,
+    }
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_with_comm.default)
+    assert gather.args[0].target is aten.cat.default and gather.args[1:] == (WORLD, GROUP, "ag")
+    (scatter,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_with_comm.default)
+    assert scatter.args[1:] == (WORLD, GROUP, "avg", "rs")
+    assert not graph_module.graph.find_nodes(op="call_function", target=aten.div.Tensor)
+    verify(graph_module.graph)
+
+
 def test_lower_leaves_graphs_without_fsdp_ops_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = _code(graph_module)

@@ -141,6 +141,22 @@ def test_bucket_keeps_groups_with_different_resharding_apart():
     assert bucket(graph, cap_mb=100.0) == 0  # a | b | c: no two neighbors agree
 
 
+def _layer_with_a_custom_all_gather(h, shard):
+    gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP, all_gather_comm="comm")
+    (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+    return (h @ per_rank.reshape(-1, 4)[:5].t()).relu()[:, :4]
+
+
+def test_bucket_keeps_a_group_with_a_custom_comm_apart():
+    """A custom comm gathers its own group's buffer, as in FSDP2 ([Note: custom collectives])."""
+
+    def fn(s0, s1, s2, x):
+        return _layer(_layer_with_a_custom_all_gather(_layer(x, s0), s1), s2)
+
+    graph_module = _traced(fn)
+    assert bucket(graph_module.graph, cap_mb=100.0) == 0  # a | b | c: b gathers alone, so a and c are not adjacent
+
+
 def _bf16_layer(h, shard):
     gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP, param_dtype=torch.bfloat16)
     (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)

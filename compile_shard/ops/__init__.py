@@ -12,11 +12,12 @@ One module per job; importing this package registers every op:
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
   ``post_forward_chunk``, ``as_gathered`` (``all_gather_into``'s autograd for unsharded
   parameters gathered another way), ``call_all_reduce_hook_`` (a group's all-reduce
-  hook, registered by name with ``all_reduce_hook_name`` and ``set_all_reduce_hook``)
-  and, eager only, ``as_gathered_views`` (``as_gathered`` for tensor subclasses) and
-  ``all_gather_with`` (an all-gather by a custom comm object);
+  hook), ``all_gather_with_comm`` (a custom all-gather) and, eager only,
+  ``as_gathered_views`` (``as_gathered`` for tensor subclasses);
 - ``reduce_scatter``: ``reduce_scatter_grad``, ``reduce_scatter_input``,
-  ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``;
+  ``reduce_scatter_input_into_``, ``all_to_all_into_``, ``all_to_all_grads_``, ``sum_shards``,
+  ``reduce_scatter_with_comm`` (a custom reduce-scatter);
+- ``names``: the Python objects (hooks, custom comms) op arguments name;
 - ``storage``: ``set_``, ``resize_storage_``;
 - ``transport``: the gloo point-to-point exchange the gloo ops share;
 - ``backend``: whether a group uses a ``_c10d_functional`` collective or that exchange;
@@ -43,14 +44,13 @@ none; on HSDP the replicate dimension's all-reduce is then the group's only one.
 from . import transport
 from .all_gather import (
     all_gather_into,
-    all_reduce_hook_name,
     all_gather_params_,
-    all_gather_with,
     all_gather_send_recv_,
+    all_gather_with_comm,
     as_gathered,
     as_gathered_views,
+    call_all_reduce_hook_,
     post_forward_chunk,
-    set_all_reduce_hook,
 )
 from .backend import gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
@@ -59,26 +59,30 @@ from .reduce_scatter import (
     reduce_scatter_grad,
     reduce_scatter_input,
     reduce_scatter_input_into_,
+    reduce_scatter_with_comm,
     sum_shards,
 )
+from .names import bind, new_name
 from .storage import resize_storage_, set_
 
 __all__ = [
     "all_gather_into",
-    "all_reduce_hook_name",
-    "all_gather_with",
     "all_gather_params_",
     "all_gather_send_recv_",
+    "all_gather_with_comm",
     "as_gathered",
     "as_gathered_views",
+    "bind",
+    "call_all_reduce_hook_",
+    "new_name",
     "post_forward_chunk",
-    "set_all_reduce_hook",
     "all_to_all_grads_",
     "all_to_all_into_",
     "gathers_by_send_recv",
     "reduce_scatter_grad",
     "reduce_scatter_input",
     "reduce_scatter_input_into_",
+    "reduce_scatter_with_comm",
     "reduces_by_all_to_all",
     "sum_shards",
     "set_",

@@ -8,25 +8,27 @@ replaces a group's copy-in, all-gather and copy-out in gloo's compiled graphs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .backend import gathers_by_send_recv
 from .checks import _check_same_dtype
 from .library import _lib, register_kernels
+from .names import bound
 from .transport import _Exchange, _padded_flat
 
-# The options of the gradient reduction both differentiable gathers take (``_Options``).
+# The optional arguments both differentiable gathers take (``_Options``): how the
+# gradient is reduced, mixed precision's casts, and the group's Python objects by name.
 _REDUCTION_OPTIONS = (
     "str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
-    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None, str? all_reduce_hook=None"
+    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None, str? all_reduce_hook=None, "
+    "str? all_gather_comm=None, str? reduce_scatter_comm=None"
 )
 _lib.define(
     f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
@@ -41,6 +43,7 @@ _lib.define(
     "str group_name) -> ()"
 )
 _lib.define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
+_lib.define("all_gather_with_comm(Tensor all_gather_input, SymInt world_size, str group_name, str comm) -> Tensor")
 _lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
 _lib.define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
@@ -94,15 +97,22 @@ class _Options:
     partial_reduce_output: torch.Tensor | None = None
     reduce_scatter_group_name: str | None = None
     all_reduce_hook: str | None = None
+    all_gather_comm: str | None = None
+    reduce_scatter_comm: str | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
-    param_dtype = _Options(*options).param_dtype
-    _check_shards(shards, padded_numels, param_dtype)
-    all_gather_input = _copy_in(shards, padded_numels, param_dtype)
+    options = _Options(*options)
+    _check_shards(shards, padded_numels, options.param_dtype)
+    all_gather_input = _copy_in(shards, padded_numels, options.param_dtype)
+    funcol = torch.ops._c10d_functional
+    if options.all_gather_comm is not None:  # [Note: custom collectives]
+        all_gather_output = torch.ops.fsdp.all_gather_with_comm(
+            all_gather_input, world_size, group_name, options.all_gather_comm
+        )
+        return funcol.wait_tensor(all_gather_output)
     if world_size == 1:  # [Note: a group of one rank]
         return all_gather_input
-    funcol = torch.ops._c10d_functional
     if gathers_by_send_recv(group_name, all_gather_input.device):
         all_gather_output = all_gather_input.new_empty(world_size * all_gather_input.numel())
         torch.ops.fsdp.all_gather_send_recv_(all_gather_output, all_gather_input, world_size, group_name)
@@ -188,15 +198,10 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         unsharded_grad = unsharded_grad * options.premul_factor
     # FSDP2's set_separate_reduce_scatter_group: another process group over the same ranks.
     group_name = options.reduce_scatter_group_name or ctx.group_name
-    reduce_scatter_comm = getattr(ctx, "reduce_scatter_comm", None)  # [Note: custom collectives]
-    if reduce_scatter_comm is not None and ctx.world_size > 1:
-        sharded_grad = _reduce_scatter_with(
-            reduce_scatter_comm, unsharded_grad, ctx.world_size, group_name, options.reduce_op
-        )
-    else:
-        sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
-            unsharded_grad, ctx.world_size, group_name, options.reduce_op
-        )
+    comm = () if options.reduce_scatter_comm is None else (options.reduce_scatter_comm,)  # [Note: custom collectives]
+    sharded_grad = torch.ops.fsdp.reduce_scatter_grad(
+        unsharded_grad, ctx.world_size, group_name, options.reduce_op, *comm
+    )
     if options.replicate_group_name is not None:  # HSDP: [Note: HSDP reduction]
         if not options.all_reduce_grads:
             options.partial_reduce_output.add_(sharded_grad)
@@ -224,35 +229,14 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
 # [Note: the all-reduce hook]
 # FSDP2's set_all_reduce_hook: a Python callable on the reduced gradient (the
 # reduce-scatter's output, after HSDP's all-reduce), in place, before the
-# post-division. No op argument can carry a callable, so a group registers its hook
-# under a name (``all_reduce_hook_name``, ``set_all_reduce_hook``) and passes the name
-# as ``all_reduce_hook``; the reduction then calls ``fsdp::call_all_reduce_hook_(reduced,
-# name)``, whose kernel calls the hook the name has at that moment, as FSDP2 reads its
-# hook when it reduces. Traced, that op stays in the backward graph (AOTAutograd
-# functionalizes it, Inductor calls its kernel): a compiled backward calls the Python
-# hook in every step, with the real gradient, so its side effects and collectives run
-# as in eager mode and none of it is traced. Names are numbered in the order groups
-# first set a hook, which is the same on every rank and in every run of a program, so
-# a graph from the compile caches calls the hook registered under its name now.
-
-_ALL_REDUCE_HOOKS: dict[str, Callable[[torch.Tensor], None] | None] = {}
-
-
-def all_reduce_hook_name(label: str) -> str:
-    """A new name to register a group's all-reduce hook under, unique in the process."""
-    name = f"{label}#{len(_ALL_REDUCE_HOOKS)}"
-    _ALL_REDUCE_HOOKS[name] = None
-    return name
-
-
-def set_all_reduce_hook(name: str, hook: Callable[[torch.Tensor], None] | None) -> None:
-    _ALL_REDUCE_HOOKS[name] = hook
+# post-division. The group passes the hook's name as ``all_reduce_hook``, and the
+# reduction calls ``fsdp::call_all_reduce_hook_(reduced, name)``, which AOTAutograd
+# functionalizes and a compiled backward calls in every step ([Note: Python objects
+# named in op arguments] in ``compile_shard.ops.names``).
 
 
 def _call_all_reduce_hook_kernel(reduced, hook):
-    registered = _ALL_REDUCE_HOOKS.get(hook)
-    torch._check(registered is not None, lambda: f"fsdp::call_all_reduce_hook_: no all-reduce hook named {hook!r}")
-    registered(reduced)
+    bound("call_all_reduce_hook_", hook)(reduced)
 
 
 def _call_all_reduce_hook_meta(reduced, hook):
@@ -266,49 +250,39 @@ register_kernels("call_all_reduce_hook_", _call_all_reduce_hook_kernel, _call_al
 # [Note: custom collectives]
 # FSDP2's set_custom_all_gather / set_custom_reduce_scatter: objects whose ``allocate``
 # makes the collectives' buffers and whose call runs the collective, called as FSDP2
-# calls them (the all-gather input is this rank's slice of the output; the
-# reduce-scatter's input is allocated and copied into). Eager mode only: a custom
-# all-gather runs outside ``all_gather_into`` and ``as_gathered`` gives its output
-# the all-gather's autograd; a custom reduce-scatter replaces ``reduce_scatter_grad``
-# in ``reduce_unsharded_grad``, found on the autograd node like the all-reduce hook.
+# calls them: the all-gather's input is this rank's slice of the output, and the
+# reduce-scatter's input is allocated and copied into. The group passes their names as
+# ``all_gather_comm`` and ``reduce_scatter_comm`` ([Note: Python objects named in op
+# arguments] in ``compile_shard.ops.names``): ``all_gather_into`` then gathers with
+# ``all_gather_with_comm``, and its backward's ``reduce_scatter_grad`` reduces with
+# ``reduce_scatter_with_comm``. ``lower`` puts the same two ops in the compiled graphs
+# in place of the c10d collectives, each followed by a ``wait_tensor``: the all-gather
+# asks the comm for an asynchronous collective and registers its work for that wait
+# (FSDP2 passes ``async_op``), so ``reorder`` overlaps it like any other; the
+# reduce-scatter is called without ``async_op``, as FSDP2 calls it, so it is done
+# when the op returns.
 
 
-def all_gather_with(
-    comm,
-    shards: Sequence[torch.Tensor],
-    padded_numels: Sequence[int],
-    world_size: int,
-    rank: int,
-    group_name: str,
-    param_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """The all-gather output of ``shards``, gathered by the custom ``comm`` (no autograd)."""
-    with torch.no_grad():
-        all_gather_input = _copy_in(shards, padded_numels, param_dtype)
-        output = comm.allocate(
-            (world_size * all_gather_input.numel(),), dtype=all_gather_input.dtype, device=all_gather_input.device
-        )
-        own_slice = output.view(world_size, -1)[rank]
-        own_slice.copy_(all_gather_input)
-        work = comm(output_tensor=output, input_tensor=own_slice, group=_resolve_process_group(group_name))
-        if work is not None:
-            work.wait()
-    return output
-
-
-def _reduce_scatter_with(comm, unsharded_grad, world_size: int, group_name: str, reduce_op: str) -> torch.Tensor:
-    reduce_scatter_input = comm.allocate(
-        (unsharded_grad.numel(),), dtype=unsharded_grad.dtype, device=unsharded_grad.device
+def _all_gather_with_comm_kernel(all_gather_input, world_size, group_name, comm):
+    process_group = _resolve_process_group(group_name)
+    output = bound("all_gather_with_comm", comm).allocate(
+        (world_size * all_gather_input.numel(),), dtype=all_gather_input.dtype, device=all_gather_input.device
     )
-    reduce_scatter_input.copy_(unsharded_grad.view(-1))
-    output = comm.allocate(
-        (unsharded_grad.numel() // world_size,), dtype=unsharded_grad.dtype, device=unsharded_grad.device
+    own_slice = output.view(world_size, -1)[process_group.rank()]
+    own_slice.copy_(all_gather_input)
+    work = bound("all_gather_with_comm", comm)(
+        output_tensor=output, input_tensor=own_slice, group=process_group, async_op=True
     )
-    op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
-    work = comm(output_tensor=output, input_tensor=reduce_scatter_input, group=_resolve_process_group(group_name), op=op)
     if work is not None:
-        work.wait()
+        torch._C._distributed_c10d._register_work(output, work)
     return output
+
+
+def _all_gather_with_comm_meta(all_gather_input, world_size, group_name, comm):
+    return all_gather_input.new_empty(world_size * all_gather_input.numel())
+
+
+register_kernels("all_gather_with_comm", _all_gather_with_comm_kernel, _all_gather_with_comm_meta)
 
 
 # as_gathered -------------------------------------------------------------------------
@@ -319,7 +293,6 @@ def _reduce_scatter_with(comm, unsharded_grad, world_size: int, group_name: str,
 #   after backward, and the next forward computes with them instead of all-gathering.
 #   Their autograd node belongs to the forward that gathered them, whose backward has
 #   run, with that forward's reduction options.
-# - A custom all-gather ([Note: custom collectives]) runs outside any op.
 # - An all-gather extension ([Note: all-gather extensions] in compile_shard._param)
 #   gathers what ``fsdp_pre_all_gather`` made of the shard, not the shard, and its
 #   ``fsdp_post_all_gather`` builds the unsharded parameter: FSDP2 gives that tensor's
@@ -502,4 +475,6 @@ all_gather_into = torch.ops.fsdp.all_gather_into.default
 all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
 as_gathered = torch.ops.fsdp.as_gathered.default
 all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
+all_gather_with_comm = torch.ops.fsdp.all_gather_with_comm.default
+call_all_reduce_hook_ = torch.ops.fsdp.call_all_reduce_hook_.default
 post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default

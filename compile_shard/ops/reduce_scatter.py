@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .._layout import padded_rows
 from .backend import reduces_by_all_to_all
 from .checks import _check_same_dtype
 from .library import _lib, register_kernels
+from .names import bound
 from .transport import _Exchange, _padded_flat
 
 _lib.define(
@@ -25,7 +27,11 @@ _lib.define(
 )
 _lib.define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
-    "str reduce_op='avg') -> Tensor"
+    "str reduce_op='avg', str? comm=None) -> Tensor"
+)
+_lib.define(
+    "reduce_scatter_with_comm(Tensor reduce_scatter_input, SymInt world_size, str group_name, str reduce_op, "
+    "str comm) -> Tensor"
 )
 _lib.define(
     "reduce_scatter_input(Tensor[] unsharded_grads, SymInt world_size, ScalarType? dtype=None) -> Tensor"
@@ -54,11 +60,15 @@ def _check_divisible(op_name: str, tensor: torch.Tensor, world_size) -> None:
     )
 
 
-def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg"):
+def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg", comm=None):
     _check_reduce_op("reduce_scatter_grad", reduce_op)
     if world_size == 1:  # [Note: a group of one rank]: a sum or an average of one
         return unsharded_grad.reshape(-1).clone()
     funcol = torch.ops._c10d_functional
+    if comm is not None:  # [Note: custom collectives] in compile_shard.ops.all_gather
+        flat = unsharded_grad.reshape(-1)
+        reduced = torch.ops.fsdp.reduce_scatter_with_comm(flat, world_size, group_name, reduce_op, comm)
+        return funcol.wait_tensor(reduced)
     if reduces_by_all_to_all(group_name, unsharded_grad.device):
         split_sizes = [unsharded_grad.numel() // world_size] * world_size
         received = funcol.all_to_all_single(unsharded_grad.reshape(-1), split_sizes, split_sizes, group_name)
@@ -71,14 +81,14 @@ def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_o
     return sharded_grad
 
 
-def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg"):
+def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg", comm=None):
     _check_reduce_op("reduce_scatter_grad", reduce_op)
     _check_divisible("reduce_scatter_grad", unsharded_grad, world_size)
     return unsharded_grad.new_empty(unsharded_grad.numel() // world_size)
 
 
 def _reduce_scatter_grad_setup_context(ctx, inputs, output):
-    _, ctx.world_size, ctx.group_name, ctx.reduce_op = inputs
+    _, ctx.world_size, ctx.group_name, ctx.reduce_op = inputs[:4]
 
 
 def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
@@ -87,7 +97,28 @@ def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
     )
     if ctx.reduce_op == "avg":
         gathered = gathered / ctx.world_size
-    return gathered, None, None, None
+    return gathered, *[None] * (len(ctx.needs_input_grad) - 1)
+
+
+def _reduce_scatter_with_comm_kernel(reduce_scatter_input, world_size, group_name, reduce_op, comm):
+    """The custom reduce-scatter's call, as FSDP2 makes it ([Note: custom collectives] in ops.all_gather)."""
+    _check_reduce_op("reduce_scatter_with_comm", reduce_op)
+    reduce_scatter = bound("reduce_scatter_with_comm", comm)
+    numel, dtype, device = reduce_scatter_input.numel(), reduce_scatter_input.dtype, reduce_scatter_input.device
+    comm_input = reduce_scatter.allocate((numel,), dtype=dtype, device=device)
+    comm_input.copy_(reduce_scatter_input.view(-1))
+    output = reduce_scatter.allocate((numel // world_size,), dtype=dtype, device=device)
+    op = dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM
+    process_group = _resolve_process_group(group_name)
+    work = reduce_scatter(output_tensor=output, input_tensor=comm_input, group=process_group, op=op)
+    if work is not None:
+        work.wait()
+    return output
+
+
+def _reduce_scatter_with_comm_meta(reduce_scatter_input, world_size, group_name, reduce_op, comm):
+    _check_divisible("reduce_scatter_with_comm", reduce_scatter_input, world_size)
+    return reduce_scatter_input.new_empty(reduce_scatter_input.numel() // world_size)
 
 
 # reduce_scatter_input ----------------------------------------------------------------
@@ -240,6 +271,7 @@ def _sum_shards_meta(received, world_size, reduce_op="avg"):
 register_kernels("all_to_all_grads_", _all_to_all_grads_kernel, _all_to_all_grads_meta)
 register_kernels("all_to_all_into_", _all_to_all_into_kernel, _all_to_all_into_meta)
 register_kernels("reduce_scatter_grad", _reduce_scatter_grad_kernel, _reduce_scatter_grad_meta)
+register_kernels("reduce_scatter_with_comm", _reduce_scatter_with_comm_kernel, _reduce_scatter_with_comm_meta)
 register_kernels("reduce_scatter_input", _reduce_scatter_input_kernel, _reduce_scatter_input_meta)
 register_kernels("reduce_scatter_input_into_", _reduce_scatter_input_into_kernel, _reduce_scatter_input_into_meta)
 register_kernels("sum_shards", _sum_shards_kernel, _sum_shards_meta)
@@ -256,4 +288,5 @@ all_to_all_into_ = torch.ops.fsdp.all_to_all_into_.default
 reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
 reduce_scatter_input = torch.ops.fsdp.reduce_scatter_input.default
 reduce_scatter_input_into_ = torch.ops.fsdp.reduce_scatter_input_into_.default
+reduce_scatter_with_comm = torch.ops.fsdp.reduce_scatter_with_comm.default
 sum_shards = torch.ops.fsdp.sum_shards.default
