@@ -100,9 +100,15 @@ def test_framework_dividing_by_global_tokens_gets_torch_fsdp2_gradients(backend)
     run_gloo(_token_mean_worker, 2, backend)
 
 
-def _divide_factor_worker(rank, world_size):
-    """Each setting FSDP2 runs on gloo, bitwise; the PREMUL_SUM factor gloo lacks, against the reference."""
+def _divide_factor_worker(rank, world_size, backend):
+    """Each setting FSDP2 runs on gloo, bitwise; the PREMUL_SUM factor gloo lacks, against the reference.
+
+    Compiled: a pre-multiplied average and a forced sum with a post-division.
+    """
     settings = [(None, False), (2.0, False), (None, True), (1.0, True), (4.0, True), (3.0, False)]
+    atol = 0.0
+    if backend is not None:
+        settings, atol = [(3.0, False), (4.0, True)], 1e-6
     for factor, force_sum in settings:
         ours, reference = build_sharded_llama(LlamaConfig())
         theirs, _ = build_sharded_llama(LlamaConfig(), shard=torch_fully_shard)
@@ -115,18 +121,20 @@ def _divide_factor_worker(rank, world_size):
         tokens = global_batch(0, world_size, 2, 8, 1001)
         models = (ours, theirs) if factor in (None, 1.0, 2.0, 4.0) else (ours,)
         for model in models:
-            lm_loss(model, tokens[2 * rank : 2 * rank + 2]).backward()
+            runnable = model if model is theirs or backend is None else torch.compile(model, backend=backend)
+            lm_loss(runnable, tokens[2 * rank : 2 * rank + 2]).backward()
         sum(lm_loss(reference, tokens[2 * r : 2 * r + 2]) for r in range(world_size)).backward()
         divisor = world_size if factor is None else factor
         for (name, param), ref in zip(ours.named_parameters(), reference.parameters()):
             torch.testing.assert_close(param.grad.full_tensor(), ref.grad / divisor, rtol=1e-5, atol=1e-7, msg=name)
         if len(models) == 2:
             for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
-                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=0, msg=name)
+                torch.testing.assert_close(param.grad.full_tensor(), other.grad.full_tensor(), rtol=0, atol=atol, msg=name)
 
 
-def test_gradient_divide_factor_and_force_sum_match_torch_fsdp2():
-    run_gloo(_divide_factor_worker, 2)
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_gradient_divide_factor_and_force_sum_match_torch_fsdp2(backend):
+    run_gloo(_divide_factor_worker, 2, backend)
 
 
 def test_a_new_divide_factor_recompiles(fake_pg):
@@ -479,7 +487,7 @@ def test_a_list_of_modules_is_one_group_as_in_torch_fsdp2(backend):
     run_gloo(_list_worker, 2, backend)
 
 
-def _ignored_params_worker(rank, world_size):
+def _ignored_params_worker(rank, world_size, backend):
     models = []
     for shard in (fully_shard, torch_fully_shard):
         torch.manual_seed(0)
@@ -487,9 +495,9 @@ def _ignored_params_worker(rank, world_size):
         shard(model, ignored_params={model[2].bias})
         models.append(model)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    for model in models:
-        model(x).square().sum().backward()
     (ours, theirs) = models
+    for model in (ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True), theirs):
+        model(x).square().sum().backward()
     assert not isinstance(ours[2].bias, DTensor) and not isinstance(theirs[2].bias, DTensor)
     for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(_full(param.grad), _full(other.grad), rtol=0, atol=0, msg=name)
@@ -499,8 +507,9 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def test_ignored_params_stay_local_as_in_torch_fsdp2():
-    run_gloo(_ignored_params_worker, 2)
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_ignored_params_stay_local_as_in_torch_fsdp2(backend):
+    run_gloo(_ignored_params_worker, 2, backend)
 
 
 def test_arguments_that_mean_what_compile_shard_does_are_accepted(fake_pg):
