@@ -711,6 +711,9 @@ class FSDPParamGroup:
             return False
         for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
             fsdp_param.show_unsharded(tensor)
+            # The compiled backward finds unused parameters itself (passes.unused_params): an eager
+            # watch, left by a gather whose backward never ran, must not judge its gradients.
+            fsdp_param.used_since_reduction = None
         return True
 
     def hide_traced_unsharded_params(self) -> None:
