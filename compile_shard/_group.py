@@ -547,8 +547,10 @@ class FSDPParamGroup:
                 rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
                 shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
                 options = self._all_gather_options(part)
-                # Eager mode takes views; a traced graph needs the op, whose outputs are new tensors.
-                as_gathered = ops.as_gathered if torch.compiler.is_compiling() else ops.as_gathered_views
+                # Eager mode takes views; a traced graph needs the op, whose outputs are new tensors, except
+                # for a tensor subclass ([Note: an unsharded tensor subclass in a trace] in compile_shard.ops).
+                plain = all(type(row) is torch.Tensor for row in rows)
+                as_gathered = ops.as_gathered if torch.compiler.is_compiling() and plain else ops.as_gathered_views
                 gathered_rows = as_gathered(
                     rows, shards, part.padded_numels, self.world_size, self.group_name, *options
                 )

@@ -352,13 +352,6 @@ class FSDPParam:
         """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
         shard = self.shard.detach()
         unsharded, _ = type(shard).fsdp_post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
-        if type(unsharded) is not torch.Tensor and torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"fully_shard: fsdp_post_all_gather of parameter {self.fqn!r} returned a "
-                f"{type(unsharded).__name__} tensor; compile_shard's compiled graphs support extensions whose "
-                "unsharded parameter is a plain tensor (for example dequantized to param_dtype). Eager mode runs "
-                "this one: call the model without torch.compile"
-            )
         return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
 
     def watch_use(self, unsharded_param: torch.Tensor) -> None:

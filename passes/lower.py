@@ -8,7 +8,8 @@ which autograd built from the gradients as padding, views and a ``cat``, becomes
 ``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse on purpose
 ([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a gradient
 reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and averages
-([Note: gloo reduce-scatter] in ``compile_shard.ops``). A group with a custom
+([Note: gloo reduce-scatter] in ``compile_shard.ops``), and a float8 all-gather
+travels as ``uint8`` views (``gathers_as_bytes``). A group with a custom
 all-gather or reduce-scatter gets ``fsdp.all_gather_with_comm`` or
 ``fsdp.reduce_scatter_with_comm`` and a wait instead of the c10d collective ([Note:
 custom collectives] in ``compile_shard.ops.all_gather``). Every new node inherits the replaced node's metadata (group
@@ -26,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._layout import padded_rows
-from compile_shard.ops import reduces_by_all_to_all
+from compile_shard.ops import gathers_as_bytes, reduces_by_all_to_all
 
 from ._graph import VIEWS, NodeInserter, c10d, cast_dtype, fsdp, op_argument
 from .patterns import gathers_saved_chunks
@@ -64,8 +65,14 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     elif world_size == 1:  # [Note: a group of one rank] in compile_shard.ops
         gathered = all_gather_input
     else:
-        inserted.append(insert(c10d.all_gather_into_tensor.default, all_gather_input, world_size, group_name))
+        dtype = all_gather_input.meta["val"].dtype
+        as_bytes = gathers_as_bytes(dtype, group_name, all_gather_input.meta["val"].device)
+        wire = insert(aten.view.dtype, all_gather_input, torch.uint8) if as_bytes else all_gather_input
+        inserted.append(insert(c10d.all_gather_into_tensor.default, wire, world_size, group_name))
         gathered = insert(c10d.wait_tensor.default, inserted[-1])
+        if as_bytes:
+            inserted += [wire, gathered]
+            gathered = insert(aten.view.dtype, gathered, dtype)
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
         # Save the gathered parameters only, not the copy-in buffers or the un-waited collective.
         for copy_in_node in inserted:

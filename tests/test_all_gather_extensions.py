@@ -313,21 +313,18 @@ def test_eager_mode_computes_with_what_fsdp_post_all_gather_returned(fake_pg):
     assert model.layers[0].attention.wq.weight.grad is not None
 
 
-def test_an_unsharded_tensor_subclass_trains_eagerly_and_is_refused_compiled(fake_pg):
-    """Eager mode frees and refills a tensor subclass through its inner tensors; a compiled graph refuses it.
-
-    Without ``fullgraph=True`` Dynamo runs the refused gather eagerly around a graph
-    break, which ``ShardedGraphBreakWarning`` reports.
-    """
-    model = build(fully_shard, subclass=_SubclassOut)
+def test_an_unsharded_tensor_subclass_trains_eagerly_and_compiled_in_one_graph(fake_pg):
+    """Eager mode frees and refills a tensor subclass through its inner tensors; a compiled graph (fullgraph)
+    gives it the all-gather's backward ([Note: an unsharded tensor subclass in a trace]) and the same gradients."""
+    models = [build(fully_shard, subclass=_SubclassOut) for _ in range(2)]
     tokens = torch.zeros(1, 8, dtype=torch.long)
-    lm_loss(model, tokens).backward()
-    assert all(param.grad is not None for param in model.parameters())
-    with pytest.raises(Exception, match=r"parameter 'layers.0.attention.wq.weight' returned a Int8Rows tensor"):
-        lm_loss(torch.compile(model, backend="aot_eager", fullgraph=True), tokens)
+    lm_loss(models[0], tokens).backward()
+    lm_loss(torch.compile(models[1], backend="aot_eager", fullgraph=True), tokens).backward()
+    for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
 
 
-def _torchao_worker(rank, world_size):
+def _torchao_worker(rank, world_size, backend):
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def build_float8(shard):
@@ -340,22 +337,27 @@ def _torchao_worker(rank, world_size):
         return model
 
     ours, theirs = build_float8(fully_shard), build_float8(torch_fully_shard)
+    runnable = ours if backend is None else torch.compile(ours, backend=backend, fullgraph=True)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (ours, theirs)]
     for step in range(STEPS):
         tokens = _tokens(step, rank, world_size)
-        (our_counts, our_bytes), (their_counts, their_bytes) = (counted_step(m, tokens) for m in (ours, theirs))
+        (our_counts, our_bytes), (their_counts, their_bytes) = (counted_step(m, tokens) for m in (runnable, theirs))
         # float8 weights on the wire, and the scales' amax all-reduces, as in FSDP2.
-        assert our_bytes == their_bytes and our_counts["all_reduce"] == their_counts["all_reduce"] > 0
+        assert our_bytes["all_gather"] == their_bytes["all_gather"], (our_bytes, their_bytes)
+        assert our_counts["all_reduce"] == their_counts["all_reduce"] > 0
+        if backend is None:
+            assert our_bytes == their_bytes
         assert_gradients_match(ours, theirs)
         step_optimizers_and_compare(optimizers, [ours], theirs)
 
 
-def test_torchao_float8_all_gather_matches_torch_fsdp2_eagerly():
-    """torchao's float8 training weights: their fsdp_post_all_gather returns a tensor subclass."""
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_torchao_float8_all_gather_matches_torch_fsdp2(backend):
+    """torchao's float8 training weights, whose fsdp_post_all_gather returns a tensor subclass; compiled in one graph."""
     # Found, not imported: only the ranks import torchao, which registers ops and pytree types.
     if importlib.util.find_spec("torchao") is None:
         pytest.skip("torchao is in the test extra: pip install -e '.[test]'")
-    run_gloo(_torchao_worker, 2)
+    run_gloo(_torchao_worker, 2, backend)
 
 
 def test_uneven_inputs_of_another_size_raise(fake_pg):

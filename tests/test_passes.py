@@ -440,6 +440,26 @@ def test_lower_gives_a_custom_comm_its_own_collectives_each_with_a_wait():
     verify(graph_module.graph)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32], ids=["float8", "float32"])
+def test_lower_gathers_float8_as_bytes_where_gloo_refuses_float8(dtype, monkeypatch):
+    """``gathers_as_bytes``: on gloo a float8 all-gather moves its bytes as uint8 views; other dtypes go as they are."""
+    lower_module = importlib.import_module("compile_shard.passes.lower")
+    monkeypatch.setattr(lower_module, "gathers_as_bytes", lambda dtype, *_: dtype == torch.float8_e4m3fn)
+
+    def fn(shard):
+        return torch.ops.fsdp.all_gather_into([shard], [8], WORLD, GROUP)
+
+    graph_module = trace(fn, torch.randn(2, 4).to(dtype))
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    assert lower(graph_module.graph) == 1
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    (output,) = graph_module.graph.find_nodes(op="output")[0].all_input_nodes
+    as_bytes = dtype == torch.float8_e4m3fn
+    assert (gather.args[0].target is aten.view.dtype) == as_bytes
+    assert gather.meta["val"].dtype == (torch.uint8 if as_bytes else dtype) and output.meta["val"].dtype == dtype
+    verify(graph_module.graph)
+
+
 def test_lower_leaves_graphs_without_fsdp_ops_alone():
     graph_module = trace(lambda x: x.sin() + 1, torch.randn(4))
     before = _code(graph_module)

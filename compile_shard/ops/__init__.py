@@ -52,7 +52,7 @@ from .all_gather import (
     call_all_reduce_hook_,
     post_forward_chunk,
 )
-from .backend import gathers_by_send_recv, reduces_by_all_to_all
+from .backend import gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
     all_to_all_grads_,
     all_to_all_into_,
@@ -78,6 +78,7 @@ __all__ = [
     "post_forward_chunk",
     "all_to_all_grads_",
     "all_to_all_into_",
+    "gathers_as_bytes",
     "gathers_by_send_recv",
     "reduce_scatter_grad",
     "reduce_scatter_input",

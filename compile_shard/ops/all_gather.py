@@ -306,7 +306,8 @@ register_kernels("all_gather_with_comm", _all_gather_with_comm_kernel, _all_gath
 # compiled backward holds the same reduction, which the passes lower. Eager mode calls
 # ``as_gathered_views`` instead: an autograd function with the same backward that
 # returns views, so no copy, and that takes tensor subclasses (torchao's float8
-# weights), which an op's kernel cannot.
+# weights), which an op's kernel cannot; a trace calls it for those too ([Note: an
+# unsharded tensor subclass in a trace]).
 
 
 def _check_as_gathered(unsharded, shards, padded_numels) -> None:
@@ -358,8 +359,22 @@ class _AsGatheredViews(torch.autograd.Function):
         return None, *[None] * len(unsharded_grads), *shard_grads
 
 
+# [Note: an unsharded tensor subclass in a trace]
+# An all-gather extension's ``fsdp_post_all_gather`` may return a tensor subclass
+# (torchao's ``Float8TrainingTensor``), which an op's kernel cannot take, so a trace
+# gives it the all-gather's backward with ``as_gathered_views`` too. Dynamo would trace
+# that autograd function's backward with gradients of its outputs' type, a subclass,
+# where the real gradient is a plain tensor (torchao's matmul computes the weight's
+# gradient in high precision), and the reduction cannot take the subclass. Marked
+# ``allow_in_graph``, the function is one node of Dynamo's graph that AOTAutograd
+# traces with autograd itself: the backward receives the gradient the matmul's
+# backward returns, and the reduction lands in the joint graph like
+# ``all_gather_into``'s.
+
+
+@torch._dynamo.allow_in_graph
 def as_gathered_views(unsharded, shards, padded_numels, world_size, group_name, *options) -> tuple[torch.Tensor, ...]:
-    """``as_gathered`` as views of ``unsharded``, in eager mode (also an all-gather extension's tensor subclasses)."""
+    """``as_gathered`` as views of ``unsharded``: eager mode, and tensor subclasses in a trace."""
     return _AsGatheredViews.apply((padded_numels, world_size, group_name, *options), *unsharded, *shards)
 
 

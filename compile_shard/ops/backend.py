@@ -72,3 +72,18 @@ def reduces_by_all_to_all(group_name: str, device: torch.device) -> bool:
     which for W >= 3 can differ in the last bit.
     """
     return _on_gloo(group_name, device)
+
+
+# The float8 dtypes: one byte each, which gloo's collectives do not take.
+_FLOAT8 = {getattr(torch, name) for name in dir(torch) if name.startswith("float8_")}
+
+
+def gathers_as_bytes(dtype: torch.dtype, group_name: str, device: torch.device) -> bool:
+    """Whether a ``dtype`` all-gather travels as ``uint8`` views: float8 (torchao's float8 weights) on gloo.
+
+    gloo's ``all_gather_into_tensor`` refuses float8 ("Invalid scalar type"); an
+    all-gather moves bytes, so a view of the same bytes as ``uint8`` gathers the same
+    values. The runtime's gloo all-gather sends and receives bytes already (``fsdp::
+    all_gather_send_recv_``); this is for the graphs ``lower`` writes.
+    """
+    return dtype in _FLOAT8 and _on_gloo(group_name, device)
