@@ -207,7 +207,6 @@ class UnshardedParams:
         self.is_freed = False
 
 
-
 def _free_storages(tensors: Sequence[torch.Tensor]) -> None:
     for tensor in tensors:
         for leaf in _storage_leaves(tensor):
