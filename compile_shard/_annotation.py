@@ -56,6 +56,10 @@ class GroupAnnotation:
     # FSDP2's set_reduce_scatter_unused_params: an unused parameter gets a zero gradient
     # (True) or none (False, the default; [Note: unused parameters] in passes.unused_params).
     reduce_scatter_unused_params: bool = False
+    # FSDP2's set_reshard_after_backward(False): the forward's unsharded parameters are graph
+    # outputs the group keeps for the next forward, not a graph break's ([Note: unsharded
+    # parameters kept after backward] in compile_shard._group).
+    kept_after_backward: bool = False
 
 
 _ANNOTATION_FIELDS = tuple(field.name for field in dataclasses.fields(GroupAnnotation))

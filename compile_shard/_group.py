@@ -643,6 +643,7 @@ class FSDPParamGroup:
             if self.reshard_group is None
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
             reduce_scatter_unused_params=self.reduce_scatter_unused_params,
+            kept_after_backward=not self.reshard_after_backward,
         )
 
     # Lifecycle --------------------------------------------------------------------

@@ -28,12 +28,14 @@ class ShardedGraphBreakWarning(UserWarning):
 
 
 def _leaked_groups(graph: fx.Graph) -> set[str]:
+    """Groups whose unsharded parameters are graph outputs, except the ones a group keeps on purpose."""
     (output,) = graph.find_nodes(op="output")
     outputs = set(output.all_input_nodes)
     return {
         group_annotation(all_gather_output).name
         for all_gather_output in all_gather_outputs(graph)
         if outputs.intersection(copy_out_chain(all_gather_output))
+        and not group_annotation(all_gather_output).kept_after_backward
     }
 
 

@@ -775,6 +775,30 @@ def test_warn_if_partial_is_silent_for_whole_models_and_foreign_graphs():
         assert not warn_if_partial(trace(lambda x: x + 1, torch.randn(2)).graph)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["split", "kept_after_backward"])
+def test_warn_if_partial_tells_parameters_kept_after_backward_from_a_split(kept):
+    """Gathered parameters among the outputs: a graph break's, unless the group keeps them for the next forward."""
+    from compile_shard.passes import ShardedGraphBreakWarning, warn_if_partial
+
+    def fn(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 2], WORLD, GROUP)
+        weight = gathered.view(WORLD, -1).split([12, 2], dim=1)[0].reshape(-1, 4)[:5]
+        return x @ weight.t(), weight
+
+    graph = trace(fn, *_shards()).graph
+    name = f"blocks.{kept}"
+    annotation = GroupAnnotation(name, False, members=(name,), model_groups=(name,), kept_after_backward=kept)
+    for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default):
+        write_group_annotation(node, annotation)
+    if kept:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not warn_if_partial(graph)
+    else:
+        with pytest.warns(ShardedGraphBreakWarning, match=rf"the unsharded parameters of \['{name}'\] leave this graph"):
+            assert warn_if_partial(graph)
+
+
 # save_attention --------------------------------------------------------------------
 
 
