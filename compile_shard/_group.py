@@ -336,6 +336,7 @@ class FSDPParamGroup:
         # ([Note: unsharded parameters kept after backward]).
         self.reshard_after_backward = True
         self.kept_after_backward: tuple[torch.Tensor, ...] | None = None
+        self._kept_by_trace = False
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
 
@@ -626,6 +627,7 @@ class FSDPParamGroup:
         keeps = not self.reshard_after_backward and torch.is_grad_enabled()
         if keeps and kept is None:
             self.kept_after_backward = tuple(tensor.detach() for tensor in tensors)
+            self._kept_by_trace = True
         elif not keeps and kept is not None:
             self.kept_after_backward = None
 
@@ -692,9 +694,10 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
-        if self.kept_after_backward is not None:
-            _free_storages(self.kept_after_backward)
-            self.kept_after_backward = None
+        if self.kept_after_backward is not None and not self._kept_by_trace:
+            _free_storages(self.kept_after_backward)  # as FSDP2 frees them, whatever else holds them
+        # A traced forward's are dropped, not freed: its own backward may still read them.
+        self.kept_after_backward = None
         if self.unsharded is not None:
             self.unsharded.free()
             self.unsharded = None
@@ -829,7 +832,7 @@ class FSDPParamGroup:
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         if not self.reshard_after_backward and not unsharded.is_freed and self.kept_after_backward is None:
-            self.kept_after_backward = tuple(unsharded.tensors)
+            self.kept_after_backward, self._kept_by_trace = tuple(unsharded.tensors), False
         else:
             unsharded.free()
         unsharded.post_forward_chunks = None

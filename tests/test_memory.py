@@ -85,3 +85,35 @@ def test_unsharded_storage_is_regathered_for_backward():
     """Backward reads the freed storages (a 0-byte storage raises): they were refilled."""
     model, _, _ = _forward_then_backward(reshard=True)
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def _reshard_all(model):
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            module.reshard()
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_parameters_kept_after_backward_are_freed_by_reshard_and_never_under_a_pending_backward(backend):
+    """``set_reshard_after_backward(False)``: ``reshard()`` frees what backward kept, as in FSDP2.
+
+    A compiled forward keeps what it gathered, which its own backward may still read:
+    ``reshard()`` between the two must leave that backward its values ([Note: unsharded
+    parameters kept after backward] in compile_shard._group).
+    """
+    model, _ = build_sharded_llama(CONFIG)
+    reference, _ = build_sharded_llama(CONFIG)
+    runnable = model if backend is None else torch.compile(model, backend=backend)
+    model.set_reshard_after_backward(False)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    lm_loss(runnable, tokens).backward()
+    assert unsharded_bytes(model) == sum(_unsharded_storage_bytes(p) for p in model.parameters())
+    _reshard_all(model)
+    assert unsharded_bytes(model) == 0
+    loss = lm_loss(runnable, tokens)
+    _reshard_all(model)
+    loss.backward()
+    for _ in range(2):
+        lm_loss(reference, tokens).backward()
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=1e-6, msg=name)
