@@ -622,7 +622,9 @@ class FSDPParamGroup:
         all micro-batches but the last runs three graphs and recompiles no more. Eager
         mode keeps only what backward left gathered (FSDP2's), while a compiled graph
         keeps the gathered parameters from the first forward: its backward then
-        computes with them instead of gathering again.
+        computes with them instead of gathering again. So ``reshard()`` frees the
+        storage an eager backward kept, as FSDP2 does, but only drops what a traced
+        forward kept: that forward's backward may not have run yet.
         """
         keeps = not self.reshard_after_backward and torch.is_grad_enabled()
         if keeps and kept is None:
