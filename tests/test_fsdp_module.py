@@ -432,9 +432,11 @@ def _custom_comms_worker(rank, world_size, backend):
         torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_custom_all_gather_and_reduce_scatter_are_called_as_torch_fsdp2_calls_them(backend):
-    run_gloo(_custom_comms_worker, 2, backend)
+@pytest.mark.parametrize(
+    "backend, world_size", [(None, 2), ("aot_eager", 2), ("aot_eager", 3)], ids=["eager", "compiled", "compiled_uneven"]
+)
+def test_custom_all_gather_and_reduce_scatter_are_called_as_torch_fsdp2_calls_them(backend, world_size):
+    run_gloo(_custom_comms_worker, world_size, backend)
 
 
 def _separate_reduce_scatter_group_worker(rank, world_size):

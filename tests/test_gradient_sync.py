@@ -140,6 +140,10 @@ def _compiled_worker(rank, world_size, keep_unsharded):
     assert recompiles() == len(expected) - 1  # then none over 20 steps
 
 
-@pytest.mark.parametrize("keep_unsharded", [False, True], ids=["resharding", "keeping_unsharded"])
-def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting(keep_unsharded):
-    run_gloo(_compiled_worker, 2, keep_unsharded)
+@pytest.mark.parametrize(
+    "keep_unsharded, world_size",
+    [(False, 2), (True, 2), (True, 3)],
+    ids=["resharding", "keeping_unsharded", "keeping_unsharded_uneven"],
+)
+def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting(keep_unsharded, world_size):
+    run_gloo(_compiled_worker, world_size, keep_unsharded)
