@@ -311,7 +311,7 @@ class FSDPParamGroup:
         self.all_reduce_hook_name: str | None = None
         self.all_gather_comm_name: str | None = None
         self.reduce_scatter_comm_name: str | None = None
-        self._names: dict[str, str] = {}
+        self._bound: dict[str, tuple[str, Any]] = {}  # role -> (name, object)
         # FSDP2's set_separate_reduce_scatter_group: the reduce-scatters' own process group
         # over the shard group's ranks, eager and compiled (None: the shard group's).
         self.reduce_scatter_group_name: str | None = None
@@ -372,7 +372,7 @@ class FSDPParamGroup:
         return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
-        self.all_reduce_hook_name = self._bind("all_reduce_hook", hook)
+        self._bind("all_reduce_hook", hook)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         if comm is not None and self.has_extensions:
@@ -380,21 +380,28 @@ class FSDPParamGroup:
                 f"fully_shard({self.module_name!r}): set_custom_all_gather is not supported for a group with "
                 "all-gather extensions (fsdp_pre_all_gather)"
             )
-        self.all_gather_comm_name = self._bind("all_gather_comm", comm)
+        self._bind("all_gather_comm", comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        self.reduce_scatter_comm_name = self._bind("reduce_scatter_comm", comm)
+        self._bind("reduce_scatter_comm", comm)
 
-    def _bind(self, role: str, obj: Any) -> str | None:
-        """Registers ``obj`` under the group's name for ``role``; returns that name, or None for no object.
+    def _bind(self, role: str, obj: Any) -> None:
+        """Registers ``obj`` under the group's name for ``role``, which traced code reads (``<role>_name``).
 
         One name per group and role, so that setting another object needs no recompile;
-        traced code reads only the name.
+        None where no object is set.
         """
-        if role not in self._names:
-            self._names[role] = ops.new_name(f"{self.module_name}.{role}")
-        ops.bind(self._names[role], obj)
-        return None if obj is None else self._names[role]
+        name = self._bound[role][0] if role in self._bound else ops.new_name(f"{self.module_name}.{role}")
+        ops.bind(name, obj)
+        self._bound[role] = (name, obj)
+        setattr(self, f"{role}_name", None if obj is None else name)
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy``, unpickling) registers its copies of the objects under names of its own."""
+        self.__dict__.update(state)
+        bound, self._bound = self._bound, {}
+        for role, (_, obj) in bound.items():
+            self._bind(role, obj)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
         self.reduce_scatter_unused_params = reduce_scatter_unused_params

@@ -711,3 +711,19 @@ def test_process_group_allocation_is_accepted_where_torch_fsdp2_falls_back_and_s
         lm_loss(model, torch.randint(0, config.vocab_size, (2, 9))).backward()
     with pytest.raises(NotImplementedError, match="symmetric-memory all-gathers need NCCL on CUDA"):
         models[0].set_symm_mem_for_comm()
+
+
+def test_a_copied_model_calls_its_own_copies_of_the_hook_and_comms(fake_pg):
+    """FSDP2 deep-copies a group's comm objects with the model; the names ops call them by follow."""
+    model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
+    seen, comm = [], CountingReduceScatter()
+    model.set_custom_reduce_scatter(comm)
+    model.set_all_reduce_hook(lambda reduced: seen.append("original"))
+    copied = copy.deepcopy(model)
+    copied.set_all_reduce_hook(lambda reduced: seen.append("copy"))
+    tokens = torch.randint(0, 1001, (1, 9))
+    lm_loss(model, tokens).backward()
+    assert seen == ["original"] and comm.calls
+    calls = len(comm.calls)
+    lm_loss(copied, tokens).backward()
+    assert seen == ["original", "copy"] and len(comm.calls) == calls  # the copy called its own comm
