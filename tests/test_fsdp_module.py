@@ -338,15 +338,21 @@ class _Tower(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(x))))
 
 
-def _all_reduce_hook_worker(rank, world_size, backend):
+def _all_reduce_hook_worker(rank, world_size, backend, with_comms=False):
     """A hook that records and halves each group's reduced gradient: FSDP2's calls, inputs and gradients.
 
-    Two steps, each with fresh records: a compiled backward calls the hook in every step.
+    Two steps, each with fresh records: a compiled backward calls the hook in every
+    step. ``with_comms``: custom comms too, under a bf16 policy (bf16 gathers, fp32
+    reductions), called as FSDP2 calls them.
     """
-    models, seen = [], []
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if with_comms else None
+    models, seen, comms = [], [], []
     for shard in (fully_shard, torch_fully_shard):
-        model, _ = build_sharded_llama(LlamaConfig(), shard=shard)
-        calls = {}
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig())
+        for block in [*model.layers, model]:
+            shard(block, **({} if policy is None else {"mp_policy": policy}))
+        calls, comm_pair = {}, (CountingAllGather(), CountingReduceScatter())
 
         def hook(reduced, calls=calls, name=""):
             calls[name] = reduced.clone()
@@ -355,8 +361,12 @@ def _all_reduce_hook_worker(rank, world_size, backend):
         for name, module in model.named_modules():
             if isinstance(module, TorchFSDPModule):
                 module.set_all_reduce_hook(lambda reduced, name=name, hook=hook: hook(reduced, name=name))
+                if with_comms:
+                    module.set_custom_all_gather(comm_pair[0])
+                    module.set_custom_reduce_scatter(comm_pair[1])
         models.append(model)
         seen.append(calls)
+        comms.append(comm_pair)
     runnables = [models[0] if backend is None else torch.compile(models[0], backend=backend), models[1]]
     for step in range(2):
         tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
@@ -365,14 +375,24 @@ def _all_reduce_hook_worker(rank, world_size, backend):
             lm_loss(runnable, tokens).backward()
         assert seen[0].keys() == seen[1].keys() == {"", "layers.0", "layers.1"}, step
         for name, reduced in seen[0].items():
+            assert reduced.dtype == torch.float32, name
             torch.testing.assert_close(reduced, seen[1][name], rtol=0, atol=0, msg=name)
         for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
             torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
+            param.grad = other.grad = None
+    for ours, theirs in zip(*comms):
+        assert Counter(ours.calls) == Counter(theirs.calls), (ours.calls, theirs.calls)
+    if with_comms:
+        assert {dtype for kind, _, dtype in comms[0][0].calls if kind == "allocate"} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see(backend):
-    run_gloo(_all_reduce_hook_worker, 2, backend)
+@pytest.mark.parametrize(
+    "backend, with_comms",
+    [(None, False), ("aot_eager", False), (None, True), ("aot_eager", True)],
+    ids=["eager", "compiled", "eager_with_comms_bf16", "compiled_with_comms_bf16"],
+)
+def test_all_reduce_hook_sees_and_changes_what_torch_fsdp2_hooks_see(backend, with_comms):
+    run_gloo(_all_reduce_hook_worker, 2, backend, with_comms)
 
 
 class CountingAllGather:
@@ -437,47 +457,6 @@ def _custom_comms_worker(rank, world_size, backend):
 )
 def test_custom_all_gather_and_reduce_scatter_are_called_as_torch_fsdp2_calls_them(backend, world_size):
     run_gloo(_custom_comms_worker, world_size, backend)
-
-
-def _collective_hooks_under_a_policy_worker(rank, world_size, backend):
-    """Custom comms and the all-reduce hook together, under a bf16 policy: bf16 gathers, fp32 reductions."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    models, comms, seen = [], [], []
-    for shard in (fully_shard, torch_fully_shard):
-        torch.manual_seed(0)
-        model = Llama(LlamaConfig())
-        for block in model.layers:
-            shard(block, mp_policy=policy)
-        shard(model, mp_policy=policy)
-        comm_pair, calls = (CountingAllGather(), CountingReduceScatter()), {}
-        for name, module in model.named_modules():
-            if isinstance(module, TorchFSDPModule):
-                module.set_custom_all_gather(comm_pair[0])
-                module.set_custom_reduce_scatter(comm_pair[1])
-                module.set_all_reduce_hook(lambda reduced, name=name, calls=calls: calls.setdefault(name, reduced.clone()))
-        models.append(model)
-        comms.append(comm_pair)
-        seen.append(calls)
-    runnables = [models[0] if backend is None else torch.compile(models[0], backend=backend), models[1]]
-    for step in range(2):
-        tokens = global_batch(step, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
-        for runnable, calls in zip(runnables, seen):
-            calls.clear()
-            lm_loss(runnable, tokens).backward()
-        for name, reduced in seen[0].items():
-            assert reduced.dtype == torch.float32, name
-            torch.testing.assert_close(reduced, seen[1][name], rtol=0, atol=0, msg=name)
-        for (name, param), other in zip(models[0].named_parameters(), models[1].parameters()):
-            torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=0, msg=name)
-            param.grad = other.grad = None
-    for ours, theirs in zip(*comms):
-        assert Counter(ours.calls) == Counter(theirs.calls), (ours.calls, theirs.calls)
-    assert {dtype for kind, _, dtype in comms[0][0].calls if kind == "allocate"} == {torch.bfloat16}
-
-
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
-def test_custom_comms_and_the_all_reduce_hook_under_a_bf16_policy_match_torch_fsdp2(backend):
-    run_gloo(_collective_hooks_under_a_policy_worker, 2, backend)
 
 
 def _separate_reduce_scatter_group_worker(rank, world_size):
