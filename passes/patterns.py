@@ -50,7 +50,7 @@ _CHAIN_OPS = {
 
 
 # What ``lower`` makes of a group's all-gather: a c10d all-gather, or a custom comm's.
-_LOWERED_GATHERS = (c10d.all_gather_into_tensor.default, fsdp.all_gather_with_comm.default)
+LOWERED_GATHERS = (c10d.all_gather_into_tensor.default, fsdp.all_gather_with_comm.default)
 
 
 def only_user(node: fx.Node) -> fx.Node | None:
@@ -71,7 +71,7 @@ def _is_gathered(node: fx.Node) -> bool:
         return False
     if node.target is fsdp.all_gather_into.default:
         return True
-    return node.target is c10d.wait_tensor.default and node.args[0].target in _LOWERED_GATHERS
+    return node.target is c10d.wait_tensor.default and node.args[0].target in LOWERED_GATHERS
 
 
 def all_gather_outputs(graph: fx.Graph) -> list[fx.Node]:

@@ -40,12 +40,11 @@ import torch.fx as fx
 from compile_shard._annotation import group_annotation
 
 from ._graph import c10d, fsdp, is_backward, reorder_by_priority
-from .patterns import chain_readers, copy_out_chain
+from .patterns import LOWERED_GATHERS, chain_readers, copy_out_chain
 
-# A custom comm's collectives count too ([Note: custom collectives] in compile_shard.ops.all_gather).
-_GATHER = (c10d.all_gather_into_tensor.default, fsdp.all_gather_with_comm.default)
 # A gradient reduction is a reduce-scatter, or an all-to-all where the backend has no
-# reduce-scatter (see [Note: gloo reduce-scatter] in ``compile_shard.ops``).
+# reduce-scatter (see [Note: gloo reduce-scatter] in ``compile_shard.ops``), or a custom comm's
+# ([Note: custom collectives] in compile_shard.ops.all_gather).
 _REDUCE = (c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default, fsdp.reduce_scatter_with_comm.default)
 
 
@@ -101,7 +100,7 @@ def _first_reader(unit: _Unit, position: dict[fx.Node, int]) -> int | None:
 
 
 def _gather_priorities(graph, position, depth: int, explicit_key: str) -> dict[fx.Node, float]:
-    units = _units(graph, _GATHER)
+    units = _units(graph, LOWERED_GATHERS)
     timed = sorted(
         (reader, index) for index, unit in enumerate(units) if (reader := _first_reader(unit, position)) is not None
     )

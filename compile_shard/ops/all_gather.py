@@ -264,15 +264,13 @@ register_kernels("call_all_reduce_hook_", _call_all_reduce_hook_kernel, _call_al
 
 
 def _all_gather_with_comm_kernel(all_gather_input, world_size, group_name, comm):
-    process_group = _resolve_process_group(group_name)
-    output = bound("all_gather_with_comm", comm).allocate(
+    process_group, all_gather = _resolve_process_group(group_name), bound("all_gather_with_comm", comm)
+    output = all_gather.allocate(
         (world_size * all_gather_input.numel(),), dtype=all_gather_input.dtype, device=all_gather_input.device
     )
     own_slice = output.view(world_size, -1)[process_group.rank()]
     own_slice.copy_(all_gather_input)
-    work = bound("all_gather_with_comm", comm)(
-        output_tensor=output, input_tensor=own_slice, group=process_group, async_op=True
-    )
+    work = all_gather(output_tensor=output, input_tensor=own_slice, group=process_group, async_op=True)
     if work is not None:
         torch._C._distributed_c10d._register_work(output, work)
     return output
