@@ -285,17 +285,15 @@ class GraphRecorder:
             from torch._dynamo.backends.debugging import boxed_nop
             from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-            from compile_shard.passes.compile_regions import with_region_tags
-
             def compiler(graph_module: fx.GraphModule, example_inputs):
                 self.record(graph_module.graph)
                 return boxed_nop(graph_module, example_inputs)
 
-            # aot_eager's own settings, its partitioner preceded by the compile-region tags.
+            # aot_eager's own settings.
             return aot_autograd(
                 fw_compiler=compiler,
                 bw_compiler=compiler,
-                partition_fn=with_region_tags(min_cut_rematerialization_partition),
+                partition_fn=min_cut_rematerialization_partition,
                 keep_inference_input_mutations=True,
             )
         raise ValueError(f"unknown backend {self.backend_name!r}: expected 'inductor' or 'aot_eager'")

@@ -20,7 +20,6 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from .passes import has_sharded_params, run_partitioned_suite
-from .passes.compile_regions import with_region_tags
 
 
 def _dry_compiler(captured: list[fx.GraphModule]) -> Callable:
@@ -57,7 +56,7 @@ def capture_step(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], to
     backend = aot_autograd(
         fw_compiler=_dry_compiler(captured),
         bw_compiler=_dry_compiler(captured),
-        partition_fn=with_region_tags(min_cut_rematerialization_partition),
+        partition_fn=min_cut_rematerialization_partition,
     )
     torch._dynamo.reset()
     try:

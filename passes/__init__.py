@@ -21,9 +21,6 @@ once: its function, its module, its switch in ``settings`` and its dump file.
 ``verify`` checks the graph invariants after each of them and names the pass that
 broke one (``settings.verify``).
 
-Before that, Inductor's joint pre-pass runs ``compile_regions.tag_region_parameters`` on each
-compile region's own joint graph, so its partition saves the parameters as inputs.
-
 Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 ``run_partitioned_suite``): ``lower`` lowers a backward gather from saved chunks, which
 it left whole in the joint graph ([Note: resharding to a smaller group]);

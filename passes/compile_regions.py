@@ -4,42 +4,32 @@
 With ``settings.compile_regions`` each block's compute is one ``invoke_subgraph``
 whose arguments include the block's unsharded parameters (see [Note: sharded blocks
 as nested compile regions]). AOTAutograd partitions the region's own joint graph
-before the outer one, and left alone its min-cut saves views of the parameters
-(the transposes its matmuls read) as extra outputs of the forward region. An output
-of a region cannot be recomputed by the outer partitioner, so every block's gathered
+before the outer one, and its partitioner saves the parameters, or views of them (the
+transposes its matmuls read), as extra outputs of the forward region. An output of a
+region cannot be recomputed by the outer partitioner, so every block's gathered
 parameters would stay alive until backward: FSDP's memory gone.
 
-Two steps restore resharding:
-
-- ``tag_region_parameters`` (Inductor's joint pre-pass, which also runs on each
-  region's joint graph before its partition) tags the views through which the region
-  reads its parameter arguments, and everything computed from them alone,
-  ``MUST_RECOMPUTE``: the region then saves the parameter arguments themselves.
-- ``compile_regions`` (in the suite, on the outer joint graph) points the
-  backward region at the forward region's *argument* wherever the forward region
-  merely returns an argument for it. The saved parameter is then the outer graph's
-  all-gather chain, which ``reshard`` tags for recompute, and backward gathers again.
-
-Backends without Inductor's joint pre-pass (``aot_eager``) skip the first step;
-``compile_regions`` then finds a saved parameter view and raises instead of
-keeping every block gathered. A custom AOT backend takes the first step by wrapping
-its partitioner: ``aot_autograd(..., partition_fn=with_region_tags(partition_fn))``.
+This pass (in the suite, on the outer joint graph) points the backward region at what
+the forward region computes such an output from. Where the output is an argument, it
+reads the argument. Where it is a view of a parameter argument (the region marks the
+views through which it reads its parameters, ``annotating_region_params``), it reads a
+copy of that view chain, made in the outer graph from the argument. Either way the
+backward region reads the outer graph's copy-out chain, which ``reshard`` tags for
+recompute, so backward gathers again. The region still returns the view, which nothing
+reads. This happens after the region's partition, so it holds for every backend's
+partitioner, with no tag inside the region.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
 
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard._annotation import is_region_param_view
 
-from ._graph import ac_graph_id, invoke_subgraph, region_module
+from ._graph import invoke_subgraph, region_module
 from .patterns import copy_out_chain
-from .verify import GraphInvariantError
 
 
 def _is_backward(node: fx.Node) -> bool:
@@ -59,43 +49,42 @@ def region_parameter_views(graph: fx.Graph) -> list[fx.Node]:
     ]
 
 
-def tag_region_parameters(graph: fx.Graph) -> int:
-    """Tags each parameter view's chain ``MUST_RECOMPUTE`` in a region's joint graph; returns how many views."""
-    views = region_parameter_views(graph)
-    for view in views:
-        for node in copy_out_chain(view):
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = ac_graph_id("compile_regions")
-    return len(views)
-
-
-def with_region_tags(partition_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``partition_fn`` preceded by ``tag_region_parameters``, as Inductor's partitioner runs it."""
-
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        tag_region_parameters(joint.graph)
-        return partition_fn(joint, joint_inputs, **kwargs)
-
-    return partition
-
-
-def _saved_parameter_views(region: fx.GraphModule) -> dict[int, str]:
-    """Output index -> name of the parameter view a forward region returns there."""
+def _parameter_view_outputs(region: fx.GraphModule) -> set[int]:
+    """The output indices where a forward region returns a view of a parameter argument (or its chain)."""
     (output,) = region.graph.find_nodes(op="output")
-    chains = {node: view for view in region_parameter_views(region.graph) for node in copy_out_chain(view)}
-    return {index: chains[value].format_node() for index, value in enumerate(output.args[0]) if value in chains}
+    chains = {node for view in region_parameter_views(region.graph) for node in copy_out_chain(view)}
+    return {index for index, value in enumerate(output.args[0]) if value in chains}
+
+
+def _copy_into(graph: fx.Graph, value: fx.Node, operands: dict[fx.Node, fx.Node], before: fx.Node) -> fx.Node:
+    """Copies what ``value`` is computed from in its region into ``graph`` before ``before``; returns its copy.
+
+    ``operands`` maps the region's placeholders to the outer graph's arguments.
+    """
+    needed: set[fx.Node] = set()
+    frontier = [value]
+    while frontier:
+        node = frontier.pop()
+        if node not in needed and node not in operands:
+            needed.add(node)
+            frontier.extend(node.all_input_nodes)
+    copies = dict(operands)
+    for node in value.graph.nodes:  # in the region's order: producers first
+        if node in needed:
+            with graph.inserting_before(before):
+                copies[node] = graph.node_copy(node, copies.__getitem__)
+            for key in ("recompute", "ac_graph_id", "custom", "partitioner_tag"):
+                copies[node].meta.pop(key, None)
+    return copies[value]
 
 
 def compile_regions(graph: fx.Graph) -> int:
-    """Points readers of a forward region's output at the region's argument where the output is that argument.
+    """Reads a forward region's argument, or a copy of its view chain, where the region returns either.
 
     Returns how many uses moved.
-
-    Raises ``GraphInvariantError`` when a region still returns a view of a parameter
-    argument that the graph uses (its partition was not tagged).
     """
     moved = 0
-    regions: dict[str, tuple[list[fx.Node], tuple, dict[int, str]]] = {}
+    regions: dict[str, tuple[list[fx.Node], tuple, set[int]]] = {}
     for region_call in graph.find_nodes(op="call_function", target=invoke_subgraph):
         if _is_backward(region_call):
             continue
@@ -104,22 +93,19 @@ def compile_regions(graph: fx.Graph) -> int:
             region = region_module(region_call)
             (output,) = region.graph.find_nodes(op="output")
             placeholders = list(region.graph.find_nodes(op="placeholder"))
-            regions[name] = (placeholders, output.args[0], _saved_parameter_views(region))
-        placeholders, outputs, saved_views = regions[name]
+            regions[name] = (placeholders, output.args[0], _parameter_view_outputs(region))
+        placeholders, outputs, view_outputs = regions[name]
         operands = region_call.args[2:]
         for user in list(region_call.users):
             if user.target is not operator.getitem or not user.users:
                 continue
             index = user.args[1]
             if outputs[index] in placeholders:
-                moved += len(user.users)
-                user.replace_all_uses_with(operands[placeholders.index(outputs[index])])
-            elif index in saved_views:
-                raise GraphInvariantError(
-                    f"compile region {name!r} saves a view of its unsharded parameter for "
-                    f"backward ({saved_views[index]}), which keeps every block's gathered parameters alive. "
-                    "Compile with the Inductor backend (its joint pre-pass marks the region's parameters), wrap "
-                    "a custom AOT backend's partitioner in compile_shard.passes.compile_regions.with_region_tags, or set "
-                    "compile_shard.passes.settings.compile_regions = False"
-                )
+                replacement = operands[placeholders.index(outputs[index])]
+            elif index in view_outputs:
+                replacement = _copy_into(graph, outputs[index], dict(zip(placeholders, operands)), user)
+            else:
+                continue
+            moved += len(user.users)
+            user.replace_all_uses_with(replacement)
     return moved

@@ -34,7 +34,7 @@ from compile_shard._annotation import group_annotation
 
 from ._graph import fsdp, is_backward
 from .bucket import bucket
-from .compile_regions import compile_regions, tag_region_parameters
+from .compile_regions import compile_regions
 from .copy_out import copy_out
 from .cost_model import HardwareProfile, get_profile
 from .dump import GraphDump, turn_off_caches_when_dumping_from_environment
@@ -224,16 +224,7 @@ def rank_cache_key() -> int | None:
 
 
 class _InductorJointPrePass(_ChainedInductorPass):
-    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings.
-
-    It also sees each compile region's joint graph before its partition, where
-    ``tag_region_parameters`` marks the region's parameters for recompute.
-    """
-
-    def __call__(self, graph: fx.Graph) -> None:
-        if settings.compile_regions:
-            tag_region_parameters(graph)
-        super().__call__(graph)
+    """Inductor's joint pre-pass hook: re-verifies, and keys Inductor's caches on the settings."""
 
     def run(self, graph: fx.Graph) -> None:
         if settings.verify:

@@ -13,7 +13,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_shard._annotation import GroupAnnotation, write_group_annotation
 from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite
-from compile_shard.passes.compile_regions import with_region_tags
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -63,17 +62,14 @@ class CapturingBackend:
     """An AOT backend that records the joint, forward and backward graphs it compiles.
 
     Like Inductor's post-grad hook, its compilers schedule the partitioned graphs
-    (``run_partitioned_suite``) before running them eagerly; like Inductor's joint
-    pre-pass, its partitioner tags compile regions' parameters (``tag_regions``).
+    (``run_partitioned_suite``) before running them eagerly.
     """
 
-    def __init__(self, min_cut: bool = False, tag_regions: bool = True):
+    def __init__(self, min_cut: bool = False):
         self.joint_graphs: list[fx.GraphModule] = []
         self.forward_graphs: list[fx.GraphModule] = []
         self.backward_graphs: list[fx.GraphModule] = []
         partition = min_cut_rematerialization_partition if min_cut else default_partition
-        if tag_regions:
-            partition = with_region_tags(partition)
 
         def partition_fn(joint, joint_inputs, **kwargs):
             self.joint_graphs.append(joint)

@@ -9,7 +9,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.utils import compilation_time_metrics, counters
-from torch.utils.checkpoint import CheckpointPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import REGION_PARAM_ANNOTATION
@@ -18,9 +17,9 @@ from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig, TransformerBlock
-from compile_shard.passes import GraphInvariantError, settings
+from compile_shard.passes import settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
-from compile_shard.passes.compile_regions import compile_regions, tag_region_parameters
+from compile_shard.passes.compile_regions import compile_regions
 from compile_shard.passes.simulate import simulate_step
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
 from graph_utils import CapturingBackend, op_counts, pass_settings
@@ -36,8 +35,8 @@ N_LAYERS = 3
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
-def _compile_with_regions(world_size, tag_regions=True, block_reshard=None, checkpoint_blocks=False):
-    capture = CapturingBackend(min_cut=True, tag_regions=tag_regions)
+def _compile_with_regions(world_size, block_reshard=None, checkpoint_blocks=False):
+    capture = CapturingBackend(min_cut=True)
     with FakeProcessGroup(world_size), pass_settings(compile_regions=True):
         config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
         model, _ = build_sharded_llama(config, block_reshard=block_reshard)
@@ -82,7 +81,11 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     region = getattr(forward, forward_regions[0].args[0].target)
     inner = sum(compute_seconds(node, profile) for node in region.graph.nodes)
     assert inner > 0 and compute_seconds(forward_regions[0], profile) == inner
-    # Resharding holds: backward gathers every block again, forward saves no gathered parameter.
+    _assert_reshards(model, forward, backward)
+
+
+def _assert_reshards(model, forward, backward):
+    """Backward gathers every block again; forward saves no gathered parameter."""
     assert op_counts(forward.graph)["all_gather"] == N_LAYERS + 1
     assert op_counts(backward.graph)["all_gather"] == N_LAYERS
     (output,) = forward.graph.find_nodes(op="output")
@@ -140,15 +143,15 @@ def test_without_resharding_backward_reuses_the_gathered_parameters():
     assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == 0
 
 
-def test_an_untagged_region_partition_is_refused():
-    with pytest.raises(Exception, match="saves a view of its unsharded parameter"):
-        _compile_with_regions(2, tag_regions=False)
-
-
 @pytest.mark.parametrize("world_size, checkpoint_blocks", [(3, True)], ids=["3-checkpointed_blocks"])
 def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
     """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
     run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
+
+
+def test_regions_under_aot_eager_match_eager_on_gloo():
+    """aot_eager, whose partitioner no joint pre-pass precedes: parameters bitwise eager's over 7 steps, one graph."""
+    run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True)
 
 
 def test_bucketed_regions_match_eager_on_gloo():
@@ -637,22 +640,24 @@ def test_forward_region_inputs_reads_the_argument_instead_of_the_returned_input(
     module.graph.lint()
 
 
-def test_forward_region_inputs_refuses_a_saved_parameter_view():
-    module, _, _ = _outer_graph_with_region(returns_view=True)
-    with pytest.raises(GraphInvariantError, match="saves a view of its unsharded parameter"):
-        compile_regions(module.graph)
+def test_forward_region_inputs_reads_a_copy_of_a_returned_parameter_view():
+    module, weight, backward_read = _outer_graph_with_region(returns_view=True)
+    assert compile_regions(module.graph) == 1
+    transposed = backward_read.args[1]
+    assert transposed.target is torch.ops.aten.t.default and transposed.op == "call_function"
+    (viewed,) = transposed.args
+    assert viewed.target is torch.ops.aten.view.default and viewed.args[0] is weight
+    assert "custom" not in viewed.meta  # the outer graph's copy is no region's view
+    module.graph.lint()
 
 
-def test_tag_region_parameters_tags_the_parameter_chain_only():
-    graph = fx.Graph()
-    weight, x = graph.placeholder("weight"), graph.placeholder("x")
-    viewed = _annotated_view(graph, weight)
-    transposed = graph.call_function(torch.ops.aten.t.default, (viewed,))
-    out = graph.call_function(torch.ops.aten.mm.default, (x, transposed))
-    graph.output((out,))
-    assert tag_region_parameters(graph) == 1
-    assert {node.meta.get("recompute") for node in (viewed, transposed)} == {CheckpointPolicy.MUST_RECOMPUTE}
-    assert "recompute" not in out.meta and "recompute" not in x.meta
+def test_forward_region_inputs_leaves_a_returned_activation_alone():
+    module, _, backward_read = _outer_graph_with_region(returns_view=True)
+    (call,) = module.graph.find_nodes(op="call_function", target=invoke_subgraph)
+    out = next(user for user in call.users if user.args[1] == 0)
+    backward_read.replace_input_with(next(user for user in call.users if user.args[1] == 1), out)
+    assert compile_regions(module.graph) == 0
+    assert backward_read.args == (out, out)
 
 
 # Reuse keys ----------------------------------------------------------------------------------
