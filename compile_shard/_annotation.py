@@ -25,9 +25,6 @@ import torch.fx as fx
 
 # Keys of ``node.meta["custom"]``.
 GROUP_ANNOTATION = "compile_shard_group"
-#: On the view through which a compile region reads each unsharded parameter argument
-#: ([Note: sharded blocks as nested compile regions]); ``passes.compile_regions`` finds them by it.
-REGION_PARAM_ANNOTATION = "compile_shard_region_param"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +91,3 @@ def annotating_group(annotation: GroupAnnotation) -> Iterator[None]:
         yield
 
 
-def is_region_param_view(node: fx.Node) -> bool:
-    """Whether ``node`` is a compile region's view of an unsharded parameter argument."""
-    return bool(node.meta.get("custom", {}).get(REGION_PARAM_ANNOTATION))
-
-
-@contextlib.contextmanager
-def annotating_region_params() -> Iterator[None]:
-    """Marks the views a compile region reads its unsharded parameter arguments through."""
-    with torch.fx.traceback.annotate({REGION_PARAM_ANNOTATION: True}):
-        yield

@@ -105,7 +105,6 @@ from torch._dynamo.variables.base import (
 
 from . import _attribute_writes
 from ._attribute_writes import PLAIN
-from ._annotation import annotating_region_params
 from ._param import FSDPParam
 
 
@@ -228,26 +227,23 @@ def _reuse_key(module: nn.Module, attributes: int, num_params: int, num_args: in
 def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: int, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
-    The caller had shown these same tensors; the region shows them again on the way
-    out instead of the caller restoring them afterwards, because all of its Python
-    state writes must happen inside the region: Dynamo allows them there, also when
-    the block runs inside an activation-checkpoint region, which refuses any write.
+    The caller had shown these same tensors; the region shows them again, as its own
+    arguments, so that the body reads its parameters from its inputs and not from the
+    caller's graph. That write happens inside the region: Dynamo allows writes there,
+    also when the block runs inside an activation-checkpoint region, which refuses any
+    write.
     ``attributes`` (the modules' plain attributes, hashed) is there for the reuse key only.
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
     unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
-    with annotating_region_params():
-        viewed = [tensor.view(tensor.shape) for tensor in unsharded_params]
-    for fsdp_param, tensor in zip(fsdp_params, viewed):
+    for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
         fsdp_param.show_unsharded(tensor)
     _forget_side_effects()
     with _ambient_autocast(unsharded_params[0].device.type):
         output = module._user_forward(*args, **kwargs)
     items = output if isinstance(output, (tuple, list)) else (output,)
     _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
-    for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
-        fsdp_param.show_unsharded(tensor)
     return output
 
 

@@ -11,13 +11,14 @@ parameters would stay alive until backward: FSDP's memory gone.
 
 This pass (in the suite, on the outer joint graph) points the backward region at what
 the forward region computes such an output from. Where the output is an argument, it
-reads the argument. Where it is a view of a parameter argument (the region marks the
-views through which it reads its parameters, ``annotating_region_params``), it reads a
-copy of that view chain, made in the outer graph from the argument. Either way the
+reads the argument. Where it is a view of an unsharded parameter argument (a chain of
+single-input view and copy ops, ``patterns.copy_out_chain``, from the argument), it
+reads a copy of that chain, made in the outer graph from the argument. Either way the
 backward region reads the outer graph's copy-out chain, which ``reshard`` tags for
 recompute, so backward gathers again. The region still returns the view, which nothing
-reads. This happens after the region's partition, so it holds for every backend's
-partitioner, with no tag inside the region.
+reads. The pass runs after the region's partition and after whatever joint-graph
+passes the backend ran on the region (Inductor's drop no-op views), so it recognises the
+chain by its shape alone, and holds for every backend's partitioner.
 """
 
 from __future__ import annotations
@@ -26,34 +27,35 @@ import operator
 
 import torch.fx as fx
 
-from compile_shard._annotation import is_region_param_view
+from compile_shard._annotation import group_annotation
 
-from ._graph import invoke_subgraph, region_module
-from .patterns import copy_out_chain
+from ._graph import fsdp, invoke_subgraph, region_module
+from .patterns import copy_out_chain, unshard_nodes
 
 
 def _is_backward(node: fx.Node) -> bool:
     return node.meta.get("partitioner_tag") == "is_backward"
 
 
-def region_parameter_views(graph: fx.Graph) -> list[fx.Node]:
-    """The annotated views through which a region's forward reads its unsharded parameter arguments.
-
-    AOTAutograd copies the annotation onto the backward nodes made from each view
-    (the gradient's reshape); those are left out.
-    """
-    return [
+def _unsharded_parameters(graph: fx.Graph) -> set[fx.Node]:
+    """Every node of every group's unshard: the all-gathers, their copy-outs and the unsharded parameters."""
+    return {
         node
-        for node in graph.nodes
-        if is_region_param_view(node) and not _is_backward(node)
-    ]
+        for all_gather in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+        if group_annotation(all_gather) is not None
+        for node in unshard_nodes(all_gather)
+    }
 
 
-def _parameter_view_outputs(region: fx.GraphModule) -> set[int]:
-    """The output indices where a forward region returns a view of a parameter argument (or its chain)."""
+def _argument_views(region: fx.GraphModule) -> dict[int, int]:
+    """Output index -> argument index where a forward region returns a view (or copy chain) of that argument."""
     (output,) = region.graph.find_nodes(op="output")
-    chains = {node for view in region_parameter_views(region.graph) for node in copy_out_chain(view)}
-    return {index for index, value in enumerate(output.args[0]) if value in chains}
+    chains = {
+        node: index
+        for index, placeholder in enumerate(region.graph.find_nodes(op="placeholder"))
+        for node in copy_out_chain(placeholder)[1:]
+    }
+    return {index: chains[value] for index, value in enumerate(output.args[0]) if value in chains}
 
 
 def _copy_into(graph: fx.Graph, value: fx.Node, operands: dict[fx.Node, fx.Node], before: fx.Node) -> fx.Node:
@@ -84,7 +86,8 @@ def compile_regions(graph: fx.Graph) -> int:
     Returns how many uses moved.
     """
     moved = 0
-    regions: dict[str, tuple[list[fx.Node], tuple, set[int]]] = {}
+    unsharded = _unsharded_parameters(graph)
+    regions: dict[str, tuple[list[fx.Node], tuple, dict[int, int]]] = {}
     for region_call in graph.find_nodes(op="call_function", target=invoke_subgraph):
         if _is_backward(region_call):
             continue
@@ -93,8 +96,8 @@ def compile_regions(graph: fx.Graph) -> int:
             region = region_module(region_call)
             (output,) = region.graph.find_nodes(op="output")
             placeholders = list(region.graph.find_nodes(op="placeholder"))
-            regions[name] = (placeholders, output.args[0], _parameter_view_outputs(region))
-        placeholders, outputs, view_outputs = regions[name]
+            regions[name] = (placeholders, output.args[0], _argument_views(region))
+        placeholders, outputs, argument_views = regions[name]
         operands = region_call.args[2:]
         for user in list(region_call.users):
             if user.target is not operator.getitem or not user.users:
@@ -102,7 +105,7 @@ def compile_regions(graph: fx.Graph) -> int:
             index = user.args[1]
             if outputs[index] in placeholders:
                 replacement = operands[placeholders.index(outputs[index])]
-            elif index in view_outputs:
+            elif index in argument_views and operands[argument_views[index]] in unsharded:
                 replacement = _copy_into(graph, outputs[index], dict(zip(placeholders, operands)), user)
             else:
                 continue

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch._dynamo.utils import compilation_time_metrics, counters
 
 from compile_shard import RegionInlinedWarning, fully_shard
-from compile_shard._annotation import REGION_PARAM_ANNOTATION
+from compile_shard._annotation import write_group_annotation
 from compile_shard._attribute_writes import WRITES_ATTR
 from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
@@ -22,7 +22,7 @@ from compile_shard.passes.cost_model import compute_seconds, get_profile
 from compile_shard.passes.compile_regions import compile_regions
 from compile_shard.passes.simulate import simulate_step
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
-from graph_utils import CapturingBackend, op_counts, pass_settings
+from graph_utils import CapturingBackend, make_annotation, op_counts, pass_settings
 from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
 
@@ -143,7 +143,9 @@ def test_without_resharding_backward_reuses_the_gathered_parameters():
     assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == 0
 
 
-@pytest.mark.parametrize("world_size, checkpoint_blocks", [(3, True)], ids=["3-checkpointed_blocks"])
+@pytest.mark.parametrize(
+    "world_size, checkpoint_blocks", [(2, False), (3, True)], ids=["2-plain_blocks", "3-checkpointed_blocks"]
+)
 def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
     """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
     run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
@@ -606,24 +608,27 @@ def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
 # Hand-built graphs ---------------------------------------------------------------------------
 
 
-def _annotated_view(graph: fx.Graph, source: fx.Node) -> fx.Node:
-    view = graph.call_function(torch.ops.aten.view.default, (source, [4, 4]))
-    view.meta["custom"] = {REGION_PARAM_ANNOTATION: True}
-    return view
+def _outer_graph_with_region(returns: str) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
+    """forward region (weight, x) -> (x @ weight.t(), saved), a backward op reading ``saved``.
 
-
-def _outer_graph_with_region(returns_view: bool) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
-    """forward region (weight, x) -> (x @ weight.t(), saved), a backward op reading ``saved``."""
+    ``weight`` is a group's unsharded parameter (an annotated all-gather's copy-out);
+    ``returns`` names what the region saves: ``weight``, ``weight_view`` (its
+    transpose) or ``x_view`` (a view of the activation).
+    """
     region_graph = fx.Graph()
     weight, x = region_graph.placeholder("weight"), region_graph.placeholder("x")
-    viewed = _annotated_view(region_graph, weight)
+    viewed = region_graph.call_function(torch.ops.aten.view.default, (weight, [4, 4]))
     transposed = region_graph.call_function(torch.ops.aten.t.default, (viewed,))
     out = region_graph.call_function(torch.ops.aten.mm.default, (x, transposed))
-    region_graph.output((out, transposed if returns_view else weight))
+    x_view = region_graph.call_function(torch.ops.aten.view.default, (x, [4, 2]))
+    region_graph.output((out, {"weight": weight, "weight_view": transposed, "x_view": x_view}[returns]))
     root = nn.Module()
     root.region = fx.GraphModule(nn.Module(), region_graph)
     graph = fx.Graph()
-    weight, x = graph.placeholder("weight"), graph.placeholder("x")
+    shard, x = graph.placeholder("shard"), graph.placeholder("x")
+    gathered = graph.call_function(torch.ops.fsdp.all_gather_into.default, ([shard], [8], 2, "0"))
+    write_group_annotation(gathered, make_annotation("block"))
+    weight = graph.call_function(torch.ops.aten.view.default, (gathered, [4, 4]))
     body = graph.get_attr("region")
     call = graph.call_function(invoke_subgraph, (body, "region", weight, x))
     out = graph.call_function(operator.getitem, (call, 0))
@@ -633,31 +638,34 @@ def _outer_graph_with_region(returns_view: bool) -> tuple[fx.GraphModule, fx.Nod
     return fx.GraphModule(root, graph), weight, backward_read
 
 
-def test_forward_region_inputs_reads_the_argument_instead_of_the_returned_input():
-    module, weight, backward_read = _outer_graph_with_region(returns_view=False)
+def test_compile_regions_reads_the_argument_instead_of_the_returned_input():
+    module, weight, backward_read = _outer_graph_with_region("weight")
     assert compile_regions(module.graph) == 1
     assert backward_read.args[1] is weight
     module.graph.lint()
 
 
-def test_forward_region_inputs_reads_a_copy_of_a_returned_parameter_view():
-    module, weight, backward_read = _outer_graph_with_region(returns_view=True)
+def test_compile_regions_reads_a_copy_of_a_returned_parameter_view():
+    module, weight, backward_read = _outer_graph_with_region("weight_view")
     assert compile_regions(module.graph) == 1
     transposed = backward_read.args[1]
-    assert transposed.target is torch.ops.aten.t.default and transposed.op == "call_function"
+    assert transposed.target is torch.ops.aten.t.default and transposed.graph is module.graph
     (viewed,) = transposed.args
     assert viewed.target is torch.ops.aten.view.default and viewed.args[0] is weight
-    assert "custom" not in viewed.meta  # the outer graph's copy is no region's view
     module.graph.lint()
 
 
-def test_forward_region_inputs_leaves_a_returned_activation_alone():
-    module, _, backward_read = _outer_graph_with_region(returns_view=True)
+@pytest.mark.parametrize("saved", ["activation", "activation_view"])
+def test_compile_regions_leaves_what_is_no_parameter_alone(saved):
+    """An activation the region computes, or a view of its activation argument, stays the region's output."""
+    module, _, backward_read = _outer_graph_with_region("x_view")
     (call,) = module.graph.find_nodes(op="call_function", target=invoke_subgraph)
-    out = next(user for user in call.users if user.args[1] == 0)
-    backward_read.replace_input_with(next(user for user in call.users if user.args[1] == 1), out)
+    out, region_saved = sorted(call.users, key=lambda user: user.args[1])
+    if saved == "activation":
+        backward_read.replace_input_with(region_saved, out)
+    before = backward_read.args
     assert compile_regions(module.graph) == 0
-    assert backward_read.args == (out, out)
+    assert backward_read.args == before
 
 
 # Reuse keys ----------------------------------------------------------------------------------
