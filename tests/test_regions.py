@@ -10,18 +10,18 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.utils import compilation_time_metrics, counters
 
-from compile_shard import RegionInlinedWarning, fully_shard
+from compile_shard import MixedPrecisionPolicy, RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
 from compile_shard._attribute_writes import WRITES_ATTR
 from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
-from compile_shard.models import LlamaConfig, TransformerBlock
+from compile_shard.models import Llama, LlamaConfig, TransformerBlock
 from compile_shard.passes import settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
 from compile_shard.passes.compile_regions import compile_regions
 from compile_shard.passes.simulate import simulate_step
-from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, run_gloo
+from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
 from graph_utils import CapturingBackend, make_annotation, op_counts, pass_settings
 from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
@@ -154,6 +154,48 @@ def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
 def test_regions_under_aot_eager_match_eager_on_gloo():
     """aot_eager, whose partitioner no joint pre-pass precedes: parameters bitwise eager's over 7 steps, one graph."""
     run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True)
+
+
+def _regions_with_a_setting_match_eager(rank, world_size, setting):
+    settings.compile_regions = True
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_kwargs = {"bf16_policy": {"mp_policy": policy}, "not_resharded": {"reshard_after_forward": False}}
+    config = LlamaConfig(n_layers=N_LAYERS)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Llama(config)
+        for block in model.layers:
+            fully_shard(block, **shard_kwargs.get(setting, {}))
+        models.append(fully_shard(model, **shard_kwargs.get(setting, {})))
+    compiled = torch.compile(models[0], backend="aot_eager", fullgraph=True)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
+    micro_batches = 2 if setting == "keeping_unsharded" else 1
+    for step in range(3):
+        tokens = global_batch(step, world_size, 2, 16, config.vocab_size)[2 * rank : 2 * rank + 2]
+        losses = []
+        for model, run, optimizer in zip(models, (compiled, models[1]), optimizers):
+            for micro_batch in range(micro_batches):
+                last = micro_batch == micro_batches - 1
+                if setting == "keeping_unsharded":
+                    model.set_requires_gradient_sync(last)
+                    model.set_reshard_after_backward(last)
+                loss = lm_loss(run, tokens)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for param, eager_param in zip(*(model.parameters() for model in models)):
+        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"]
+    assert _region_body_traces() >= 1  # the blocks ran as regions, not inlined
+
+
+@pytest.mark.parametrize("setting", ["bf16_policy", "not_resharded", "keeping_unsharded"])
+def test_regions_with_fsdp2_settings_match_eager_on_gloo(setting):
+    """Regions with a bf16 policy, blocks kept gathered, or parameters kept over micro-batches: bitwise eager."""
+    run_gloo(_regions_with_a_setting_match_eager, 3, setting)
 
 
 def test_bucketed_regions_match_eager_on_gloo():
