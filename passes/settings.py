@@ -24,9 +24,8 @@ class PassSettings:
     unused_params: bool = True
     #: Trace each sharded block (a fully_shard module with none below it) as a nested
     #: compile region that every block with the same signature reuses: the block is
-    #: compiled once instead of once per layer. Needs Inductor (see [Note: region
-    #: parameters are saved as inputs]) and torch 2.13's ``reuse_hash_fn``; ignored on
-    #: older torch. See [Note: sharded blocks as nested compile regions].
+    #: compiled once instead of once per layer. Needs torch 2.13's ``reuse_hash_fn``;
+    #: ignored on older torch. See [Note: sharded blocks as nested compile regions].
     compile_regions: bool = False
     #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.
     reshard: bool = True
