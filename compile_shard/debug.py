@@ -55,6 +55,17 @@ class CollectiveCounter(TorchDispatchMode):
         return output
 
 
+@torch.ops.higher_order.invoke_subgraph.py_impl(CollectiveCounter)
+def _count_inside_a_region(mode: CollectiveCounter, subgraph, identifier, *operands):
+    """A compile region run by an eager backend (``aot_eager``) runs its body's ops under the counter.
+
+    The higher-order op reaches a dispatch mode only through a rule registered for
+    that mode's class; the body itself is plain ops.
+    """
+    with mode:
+        return subgraph(*operands)
+
+
 def _nbytes(value: object) -> int:
     """Bytes of the tensors in ``value`` (a tensor, or a list of them)."""
     return sum(leaf.nbytes for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor))

@@ -1,5 +1,6 @@
 """Graph dumps, the graph printer users read them with, and the collective counter."""
 
+import pytest
 import torch
 import torch._dynamo
 import torch.nn as nn
@@ -10,7 +11,7 @@ from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter, dump_graphs, format_graph, recompiles
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
-from graph_utils import CapturingBackend, trace
+from graph_utils import CapturingBackend, pass_settings, trace
 
 
 def _compile_small_model(backend="aot_eager"):
@@ -114,9 +115,14 @@ def test_recompiles_counts_dynamo_recompilations():
     torch._dynamo.reset()
 
 
-def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(fresh_dynamo):
-    """The counter sees the compiled graphs' collectives; compiling inside it or after it is the same."""
-    with FakeProcessGroup(2):
+@pytest.mark.parametrize("compile_regions", [False, True], ids=["inlined", "regions"])
+def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(fresh_dynamo, compile_regions):
+    """The counter sees the compiled graphs' collectives; compiling inside it or after it is the same.
+
+    With regions, ``aot_eager`` runs each block's region as a higher-order op, which
+    reaches the counter too.
+    """
+    with FakeProcessGroup(2), pass_settings(compile_regions=compile_regions):
         model, _ = build_sharded_llama(LlamaConfig())
         tokens = torch.randint(0, 1001, (1, 9))
         with CollectiveCounter() as eager:
