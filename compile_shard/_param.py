@@ -81,7 +81,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from . import ops
 from ._layout import padded_rows
-from ._tensor_parallel import shard_placements, spmd_layout, tensor_parallel_layout, unsharded_dtensor
+from ._tensor_parallel import (
+    shard_placements,
+    spmd_layout,
+    tensor_parallel_layout,
+    unsharded_dtensor,
+    unsharded_local,
+)
 
 
 @dataclass(frozen=True)
@@ -396,6 +402,12 @@ class FSDPParam:
         if self.tp_spec is not None:
             unsharded_param = unsharded_dtensor(unsharded_param, self.tp_spec, self.spmd_data_parallel_dims)
         self.unsharded_param = unsharded_param
+
+    def unsharded_local(self) -> torch.Tensor:
+        """The tensor ``show_unsharded`` was given: a tensor-parallel parameter's local tensor."""
+        if self.tp_spec is None:
+            return self.unsharded_param
+        return unsharded_local(self.unsharded_param, self.spmd_data_parallel_dims)
 
     def module_attribute(self) -> torch.Tensor:
         """What ``module.<name>`` returns for every module that uses this parameter.

@@ -498,7 +498,9 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     keys are guarded]).
     """
     state = module._compile_shard_state
-    unsharded_params = [fsdp_param.unsharded_param for fsdp_param in state.group.fsdp_params]
+    # The region shows its arguments to the modules itself (``_run_block``), a
+    # tensor-parallel parameter as a DTensor again: it takes the local tensors.
+    unsharded_params = [fsdp_param.unsharded_local() for fsdp_param in state.group.fsdp_params]
     names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
     flat = (*unsharded_params, *args, *names, *(kwargs[name] for name in names))
     attribute_names, numbers = _plain_attributes(module)

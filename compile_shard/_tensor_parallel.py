@@ -70,6 +70,12 @@ def spmd_layout(spec: DTensorSpec, shard_dim: int) -> tuple[DeviceMesh, tuple[Pl
     return mesh, tuple(placements)
 
 
+def _grad_placements(placements: Sequence[Placement], data_parallel_dims: Sequence[int]) -> tuple[Placement, ...] | None:
+    if not data_parallel_dims:
+        return None
+    return tuple(Partial() if dim in data_parallel_dims else placement for dim, placement in enumerate(placements))
+
+
 def unsharded_dtensor(local: torch.Tensor, spec: DTensorSpec, data_parallel_dims: Sequence[int]) -> DTensor:
     """The gathered ``local`` tensor as the parameter the forward computes with (see the note above).
 
@@ -78,8 +84,12 @@ def unsharded_dtensor(local: torch.Tensor, spec: DTensorSpec, data_parallel_dims
     sharded over them produces, so the backward redistributes it on the other dims only.
     """
     layout = dict(run_check=False, shape=spec.shape, stride=spec.stride)
-    if data_parallel_dims:
-        layout["grad_placements"] = tuple(
-            Partial() if dim in data_parallel_dims else placement for dim, placement in enumerate(spec.placements)
-        )
+    grad_placements = _grad_placements(spec.placements, data_parallel_dims)
+    if grad_placements is not None:
+        layout["grad_placements"] = grad_placements
     return DTensor.from_local(local, spec.mesh, spec.placements, **layout)
+
+
+def unsharded_local(unsharded: DTensor, data_parallel_dims: Sequence[int]) -> torch.Tensor:
+    """``unsharded_dtensor``'s ``local`` again, its gradient declared as ``unsharded_dtensor`` declares it."""
+    return unsharded.to_local(grad_placements=_grad_placements(unsharded.placements, data_parallel_dims))

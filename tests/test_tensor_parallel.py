@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from torch._dynamo.utils import clear_compilation_metrics, counters
+from torch._dynamo.utils import clear_compilation_metrics, compilation_time_metrics, counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from compile_shard import fully_shard
+from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
+from compile_shard.passes import settings
 from dist_utils import (
     FakeProcessGroup,
     assert_gradients_match,
@@ -185,9 +187,11 @@ def _spmd_model(mesh, shard, dp_mesh_dims):
     return model
 
 
-def _spmd_worker(rank, world_size, shape, backends):
+def _spmd_worker(rank, world_size, shape, backends, compile_regions=False):
     """dp_mesh_dims on a full SPMD mesh: torch FSDP2's placements, gradients and parameters bitwise."""
     from torch.distributed.fsdp import DataParallelMeshDims
+
+    settings.compile_regions = compile_regions
 
     names = ("dp", "tp") if len(shape) == 2 else ("replicate", "dp", "tp")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -211,16 +215,20 @@ def _spmd_worker(rank, world_size, shape, backends):
     assert models[0].blocks[0].w1.weight.placements[-2:] == (_StridedShard(0, split_factor=2), Shard(0))
     if any(backends):
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+    # The blocks ran as compile regions, their tensor-parallel parameters the regions' DTensors.
+    assert bool(compilation_time_metrics.get("invoke_subgraph_trace")) == (compile_regions and REGIONS_SUPPORTED)
 
 
 @pytest.mark.skipif(
     not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason="dp_mesh_dims is new in torch 2.12"
 )
 @pytest.mark.parametrize(
-    "shape, backends", [((2, 2), (None, "aot_eager")), ((2, 1, 2), (None,))], ids=["fsdp_2x2", "hsdp_2x1x2"]
+    "shape, backends, compile_regions",
+    [((2, 2), (None, "aot_eager"), False), ((2, 2), ("aot_eager",), True), ((2, 1, 2), (None,), False)],
+    ids=["fsdp_2x2", "fsdp_2x2_compile_regions", "hsdp_2x1x2"],
 )
-def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch_fsdp2(shape, backends):
-    run_gloo(_spmd_worker, math.prod(shape), shape, backends)
+def test_dp_mesh_dims_on_a_full_spmd_mesh_matches_torch_fsdp2(shape, backends, compile_regions):
+    run_gloo(_spmd_worker, math.prod(shape), shape, backends, compile_regions)
 
 
 @pytest.mark.skipif(
