@@ -153,6 +153,9 @@ class FSDPState:
             and not self.is_root
             and bool(self.region_modules)
             and self.group.fsdp_params[0].unsharded_param is not None
+            # Over one rank nothing is gathered, and the unsharded parameters are views of
+            # one tensor: a region refuses arguments that alias each other.
+            and self.group.world_size > 1
             and accepts_region_call(args, kwargs)
             and not runs_hooks_inside(self.module)
             and not updates_running_stats(self.module)

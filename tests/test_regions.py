@@ -138,6 +138,15 @@ def test_dynamic_shapes_and_structured_arguments_run_the_block_inlined():
     assert not accepts_region_call(([torch.ones(2)],), {})
 
 
+def test_a_group_of_one_rank_runs_inlined():
+    """Nothing to gather: the unsharded parameters are views of one tensor, which a region refuses as arguments."""
+    capture = CapturingBackend(min_cut=True)
+    with FakeProcessGroup(1), pass_settings(compile_regions=True):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        lm_loss(torch.compile(model, backend=capture.backend, fullgraph=True), torch.randint(0, 1001, (2, 9))).backward()
+    assert not _region_calls(capture.forward_graphs[0].graph)
+
+
 def test_without_resharding_backward_reuses_the_gathered_parameters():
     _, capture = _compile_with_regions(2, block_reshard=False)
     assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == 0
