@@ -70,7 +70,9 @@ def spmd_layout(spec: DTensorSpec, shard_dim: int) -> tuple[DeviceMesh, tuple[Pl
     return mesh, tuple(placements)
 
 
-def _grad_placements(placements: Sequence[Placement], data_parallel_dims: Sequence[int]) -> tuple[Placement, ...] | None:
+def _grad_placements(
+    placements: Sequence[Placement], data_parallel_dims: Sequence[int]
+) -> tuple[Placement, ...] | None:
     if not data_parallel_dims:
         return None
     return tuple(Partial() if dim in data_parallel_dims else placement for dim, placement in enumerate(placements))
