@@ -189,7 +189,8 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
                 if setting == "keeping_unsharded":
                     model.set_requires_gradient_sync(last)
                     model.set_reshard_after_backward(last)
-                loss = lm_loss(run, tokens)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "autocast"):
+                    loss = lm_loss(run, tokens)
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -201,9 +202,10 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
     assert _region_body_traces() >= 1  # the blocks ran as regions, not inlined
 
 
-@pytest.mark.parametrize("setting", ["bf16_policy", "not_resharded", "keeping_unsharded"])
+@pytest.mark.parametrize("setting", ["bf16_policy", "autocast", "not_resharded", "keeping_unsharded"])
 def test_regions_with_fsdp2_settings_match_eager_on_gloo(setting):
-    """Regions with a bf16 policy, blocks kept gathered, or parameters kept over micro-batches: bitwise eager."""
+    """Regions with a bf16 policy, under autocast (the region saves its weights' bf16 copies), blocks kept
+    gathered, or parameters kept over micro-batches: bitwise eager."""
     run_gloo(_regions_with_a_setting_match_eager, 3, setting)
 
 
