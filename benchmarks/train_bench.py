@@ -57,7 +57,8 @@ instead of two, DDP's bytes per step.
 ``--mp bf16`` trains every mode in FSDP2's usual mixed precision, bf16 parameters and
 compute with fp32 reductions: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` on every ``fully_shard`` call of both FSDP
-implementations, DDP's own ``mixed_precision`` with the same dtypes (its buffers too).
+implementations, DDP's own ``mixed_precision`` with the same dtypes (its buffers too;
+on a CPU, where that cannot run, fp32 DDP with its forward under bf16 autocast).
 The reference stays fp32, so the loss difference shows the policy's deviation.
 With ``--device cuda`` (or ``--fake-world-size``) one process per mode runs rank 0 of a
 fake process group: steps then measure compute, copies and launch overhead without
@@ -87,6 +88,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -197,9 +199,27 @@ def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
     return _build_fsdp2(model, ctx)
 
 
+class _Autocast(nn.Module):
+    """``module``'s forward under autocast: DDP's mixed precision where its own cannot run."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, *args: Any) -> Any:
+        with torch.autocast(next(self.module.parameters()).device.type, dtype=self.dtype):
+            return self.module(*args)
+
+
 def _build_ddp(model: Llama, ctx: BuildContext) -> nn.Module:
     if ctx.param_dtype is None:
         return DistributedDataParallel(model)
+    if ctx.mesh is not None and ctx.mesh.device_type == "cpu":
+        # DDP's own mixed precision records device events, which a CPU has none of
+        # ("cpu backend doesn't support events"): fp32 parameters and reductions,
+        # compute in param_dtype under autocast, as DDP users train on a CPU.
+        return _Autocast(DistributedDataParallel(model), ctx.param_dtype)
     dtypes = _DDPMixedPrecision(param_dtype=ctx.param_dtype, reduce_dtype=torch.float32, buffer_dtype=ctx.param_dtype)
     return DistributedDataParallel(model, mixed_precision=dtypes)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from dist_utils import FakeProcessGroup
+from dist_utils import FakeProcessGroup, run_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
@@ -217,6 +217,29 @@ def test_blocks_kept_gathered_and_mixed_precision_reach_both_fsdp_modes():
         assert bf16_bytes["all_gather"] * 2 == fp32_bytes["all_gather"]
         assert bf16_bytes["reduce_scatter"] == fp32_bytes["reduce_scatter"]  # fp32 reductions
     assert steps["_build_cs", torch.bfloat16] == steps["_build_fsdp2", torch.bfloat16]
+
+
+def _ddp_in_bf16_worker(rank, world_size):
+    from compile_shard.models import Llama
+
+    train_bench, _ = _bench_and_args()
+    llama = train_bench.CONFIGS["smoke"].llama()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = train_bench._build_ddp(Llama(llama), train_bench.BuildContext(mesh, None, True, torch.bfloat16))
+    tokens = torch.randint(0, llama.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    assert model(tokens).dtype == torch.bfloat16
+    train_bench._lm_loss(model, tokens).backward()
+    grads = [param.grad for param in model.parameters()]
+    assert all(grad.dtype == torch.float32 for grad in grads)
+    gathered = [torch.empty_like(grads[0]) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, grads[0])
+    assert torch.equal(gathered[0], gathered[1])  # reduced over the ranks
+
+
+def test_ddp_in_bf16_on_a_cpu_computes_under_autocast():
+    """DDP's own mixed precision records device events, which a CPU lacks: ``--mp bf16`` runs it under autocast."""
+    run_gloo(_ddp_in_bf16_worker, 2)
 
 
 def _bench_and_args(*argv: str):
