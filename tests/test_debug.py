@@ -116,7 +116,9 @@ def test_recompiles_counts_dynamo_recompilations():
 
 
 @pytest.mark.parametrize("compile_regions", [False, True], ids=["inlined", "regions"])
-def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(fresh_dynamo, compile_regions):
+def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(
+    fresh_dynamo, compile_regions
+):
     """The counter sees the compiled graphs' collectives; compiling inside it or after it is the same.
 
     With regions, ``aot_eager`` runs each block's region as a higher-order op, which

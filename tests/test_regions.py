@@ -143,7 +143,8 @@ def test_a_group_of_one_rank_runs_inlined():
     capture = CapturingBackend(min_cut=True)
     with FakeProcessGroup(1), pass_settings(compile_regions=True):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
-        lm_loss(torch.compile(model, backend=capture.backend, fullgraph=True), torch.randint(0, 1001, (2, 9))).backward()
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
     assert not _region_calls(capture.forward_graphs[0].graph)
 
 
