@@ -202,13 +202,14 @@ def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
 class _Autocast(nn.Module):
     """``module``'s forward under autocast: DDP's mixed precision where its own cannot run."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.module = module
+        self.device_type = device_type
         self.dtype = dtype
 
     def forward(self, *args: Any) -> Any:
-        with torch.autocast(next(self.module.parameters()).device.type, dtype=self.dtype):
+        with torch.autocast(self.device_type, dtype=self.dtype):
             return self.module(*args)
 
 
@@ -219,7 +220,7 @@ def _build_ddp(model: Llama, ctx: BuildContext) -> nn.Module:
         # DDP's own mixed precision records device events, which a CPU has none of
         # ("cpu backend doesn't support events"): fp32 parameters and reductions,
         # compute in param_dtype under autocast, as DDP users train on a CPU.
-        return _Autocast(DistributedDataParallel(model), ctx.param_dtype)
+        return _Autocast(DistributedDataParallel(model), ctx.mesh.device_type, ctx.param_dtype)
     dtypes = _DDPMixedPrecision(param_dtype=ctx.param_dtype, reduce_dtype=torch.float32, buffer_dtype=ctx.param_dtype)
     return DistributedDataParallel(model, mixed_precision=dtypes)
 
