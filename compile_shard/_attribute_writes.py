@@ -3,9 +3,10 @@
 [Note: a block's attribute writes are counted]
 A block that reuses another block's compiled region runs a body Dynamo traced, and
 guarded, on the first block's modules: nothing guards what the later blocks hold. So
-``call_in_region`` reads every plain attribute of each block's modules in the outer
-trace, a guard on each value ([Note: region keys are guarded] in ``_region``), and the
-region key holds the rest of the block's signature by identity when the trace runs.
+``call_in_region`` reads the plain attributes of each block's modules that the body
+reads in the outer trace, a guard on each value ([Note: region keys are guarded] in
+``_region``), and the region key holds the rest of the block's signature by identity
+when the trace runs.
 Two kinds of write escape both: an attribute added to (or deleted from) a later block
 after the first compile, and an object attribute replaced by another object. Each module of
 a region block therefore has a class with ``CountsWrites``'s ``__setattr__`` and
@@ -18,7 +19,8 @@ A submodule added, replaced or deleted counts too, and the block's owner (its
 their writes and their hooks and attributes are read like the others'.
 
 Not counted, so that a write the guards already see costs no recompile: a plain value
-replaced by a plain value (its read is guarded by value), and a tensor replaced by a
+replaced by a plain value (guarded by value where a body reads it, and nothing
+computed depends on it where none does), and a tensor replaced by a
 tensor (Dynamo reads a tensor attribute from its module at every call, and guards on
 whether two blocks' tensors are the same object, which the region key reads). A
 non-tensor object assigned to a block's attribute at every step (by the caller, in

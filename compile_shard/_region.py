@@ -16,7 +16,7 @@ suite schedules them.
 Showing the tensors writes Python state, which turns off Dynamo's guard-based reuse,
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
 (see ``block_signature``, read when the call is traced), its modules' plain
-attributes (``training`` among them) read where Dynamo guards on them, autocast, and
+attributes that the body reads, read where Dynamo guards on them, autocast, and
 the metadata of the call's arguments. Blocks with equal keys share one compiled
 subgraph, traced from the first of them. What a body reads outside the modules (a
 global, a shared object) is a constant of that first trace: a write to it between
@@ -31,14 +31,22 @@ the body: ``_symbolic_number_read``; a module attribute or an argument: below an
 Dynamo guards on what the outer trace reads, and on nothing read inside
 ``reuse_hash_fn`` or an ``assume_constant_result`` function: a block's ``eval()``, or
 ``blocks[2].scale = 3.0``, after the first compile would not recompile, and block 2
-would go on running block 0's subgraph. So ``call_in_region`` reads every plain
-attribute of the block's modules (``training``, ``eps``, ``in_features``, a user's
-``scale``: 42 per Llama block) in the outer trace, where each read is a guard on its
-value, and passes their hash to the region; a change recompiles and the new trace
-keys that block apart. Which attributes to read is found per trace
-(``_plain_attributes``), ``_compile_shard_writes`` among them: the count of the
-writes these reads miss (an attribute added or deleted, an object or a submodule
-replaced), [Note: a block's attribute writes are counted] in ``_attribute_writes``.
+would go on running block 0's subgraph. So ``call_in_region`` reads the plain
+attributes of the block's modules that the body reads (a dropout's ``training``, a
+norm's ``eps``, a user's ``scale``) in the outer trace, where each read is a guard on
+its value, and passes their hash to the region; a change recompiles and the new trace
+keys that block apart. Keying on every plain attribute would key apart blocks that
+differ only in what no body reads (torchtitan's ``layer_id``, Hugging Face's
+``layer_idx`` without a cache), each block traced anew. Which names the body reads is
+learned from its trace (``_learn_reads``): each read is a guard whose source names the
+attribute. The first block of a signature is keyed before its body is traced, on
+nothing but ``_compile_shard_writes``, so the second block, keyed on what that body
+read, is traced again and later blocks reuse its body; the names are kept per
+signature, and later compiles key the first block on them too. Which attributes to
+read is found per trace (``_plain_attributes``), ``_compile_shard_writes`` always
+among them: the count of the writes these reads miss (an attribute added or deleted,
+an object or a submodule replaced), [Note: a block's attribute writes are counted] in
+``_attribute_writes``.
 
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
@@ -89,6 +97,7 @@ import contextlib
 import inspect
 import itertools
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -104,7 +113,7 @@ from torch._dynamo.variables.base import (
 )
 
 from . import _attribute_writes
-from ._attribute_writes import PLAIN
+from ._attribute_writes import PLAIN, WRITES_ATTR
 from ._param import FSDPParam
 
 
@@ -142,12 +151,12 @@ def block_signature(module: nn.Module) -> tuple:
     """What must be equal for two blocks to share one compiled region (``_signature_hash`` hashes it).
 
     Per submodule: its user class, its parameters' and buffers' names, shapes, dtypes
-    and ``requires_grad``, its hooks, and its other attributes (plain values by
-    value, anything else by identity). ``training`` is left out: ``call_in_region``
-    reads it, with the other plain values, where Dynamo guards on them ([Note: region
-    keys are guarded]).
+    and ``requires_grad``, its hooks, and its other attributes that are not plain
+    values (containers item by item, objects by identity). Plain values (``training``,
+    ``eps``, a ``layer_id``) are left out: ``call_in_region`` reads those the body's
+    traces read, where Dynamo guards on them ([Note: region keys are guarded]).
     """
-    skipped = {"_parameters", "_buffers", "_modules", "training"}
+    skipped = {"_parameters", "_buffers", "_modules"}
     signature = []
     for name, submodule in module.named_modules():
         cls = _base_class(submodule)
@@ -160,7 +169,7 @@ def block_signature(module: nn.Module) -> tuple:
         attributes = tuple(
             (key, _plain_value(value))
             for key, value in sorted(submodule.__dict__.items())
-            if key not in skipped and not key.startswith("_compile_shard")
+            if key not in skipped and not key.startswith("_compile_shard") and not isinstance(value, PLAIN)
         )
         signature.append((name, cls.__module__, cls.__qualname__, tensors, attributes))
     return tuple(signature)
@@ -232,7 +241,7 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: in
     caller's graph. That write happens inside the region: Dynamo allows writes there,
     also when the block runs inside an activation-checkpoint region, which refuses any
     write.
-    ``attributes`` (the modules' plain attributes, hashed) is there for the reuse key only.
+    ``attributes`` (the plain attributes the key reads, hashed) is there for the reuse key only.
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
@@ -244,6 +253,7 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: in
         output = module._user_forward(*args, **kwargs)
     items = output if isinstance(output, (tuple, list)) else (output,)
     _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
+    _learn_reads(module)
     return output
 
 
@@ -333,6 +343,43 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
     raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
 
 
+#: Per ``_signature_hash``: the names of the plain attributes the key reads, those its bodies' traces read.
+_READ_NAMES: dict[int, frozenset[str]] = {}
+
+
+def _guarded_names(guards: Any) -> set[str]:
+    """Every attribute name and string key on the way to what ``guards`` check."""
+    names = set()
+    for guard in guards:
+        source = guard.originating_source
+        while source is not None:
+            for name in (getattr(source, "member", None), getattr(source, "index", None)):
+                if isinstance(name, str):
+                    names.add(name)
+            source = getattr(source, "base", None)
+    return names
+
+
+@torch.compiler.assume_constant_result
+def _learn_reads(module: nn.Module) -> int:
+    """Adds the plain attributes this body read to what the keys of blocks like ``module`` read.
+
+    See [Note: region keys are guarded]. A body's read of a module's plain attribute is
+    a guard on it, so the guards' sources name every attribute the body read, and more
+    (the caller's reads): keying on those too only keys apart blocks that could share.
+    """
+    plain = {
+        name
+        for submodule in module._compile_shard_state.region_modules
+        for name, value in submodule.__dict__.items()
+        if isinstance(value, PLAIN)
+    }
+    signature = _signature_hash(module)
+    guarded = _guarded_names(InstructionTranslator.current_tx().output.guards)
+    _READ_NAMES[signature] = _READ_NAMES.get(signature, frozenset()) | (plain & guarded)
+    return 0
+
+
 def _symbolic_number_read(tracer: Any) -> str | None:
     """The name of a symbolic number the region body reads from its caller's graph, if any.
 
@@ -415,8 +462,14 @@ def runs_inlined_after_restart(module: nn.Module) -> bool:
     return _signature_hash(module) in _INLINED_SIGNATURES
 
 
+# torch caps the distinct keys of one function in a trace (8 by default) and raises past
+# the cap, which is there to catch guards that fail at every call. A key here is what the
+# block reads, which may differ in every block (a ``scale`` per layer read by its
+# forward): each new key traces a body of its own, as inlining traces each block.
 _block_region = (
-    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_reuse_key) if REGIONS_SUPPORTED else None
+    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_reuse_key, max_reuse_entries=sys.maxsize)
+    if REGIONS_SUPPORTED
+    else None
 )
 
 
@@ -476,14 +529,20 @@ def updates_running_stats(module: nn.Module) -> bool:
 
 @torch.compiler.assume_constant_result
 def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...]]:
-    """Where the block's modules hold plain values, found per trace.
+    """Where the block's modules hold the plain values its key reads, found per trace.
 
-    The names for each module of ``region_modules``, and the positions among all of
-    them of the numbers (``int`` or ``float``, not ``bool``), which Dynamo may make
-    symbolic.
+    Those the bodies of blocks like it read (``_READ_NAMES``) and the count of writes
+    the guards miss. The names for each module of ``region_modules``, and the
+    positions among all of them of the numbers (``int`` or ``float``, not ``bool``),
+    which Dynamo may make symbolic.
     """
+    read = _READ_NAMES.get(_signature_hash(module), frozenset()) | {WRITES_ATTR}
     values = [
-        {name: value for name, value in sorted(submodule.__dict__.items()) if isinstance(value, PLAIN)}
+        {
+            name: value
+            for name, value in sorted(submodule.__dict__.items())
+            if name in read and isinstance(value, PLAIN)
+        }
         for submodule in module._compile_shard_state.region_modules
     ]
     flat = [value for plain in values for value in plain.values()]

@@ -9,11 +9,19 @@ import pytest
 import torch._dynamo
 from torch._dynamo.utils import clear_compilation_metrics, counters
 
+from compile_shard import _region
+
 
 @pytest.fixture
 def fresh_dynamo():
-    """Dynamo's caches and counters reset before and after the test, so counts are the test's own."""
+    """Dynamo's caches and counters reset before and after the test, so counts are the test's own.
+
+    So is what compile regions learned from earlier traces (what bodies read, which
+    blocks run inlined), which holds per block signature: a test's body traces are its own.
+    """
     torch._dynamo.reset()
+    _region._READ_NAMES.clear()
+    _region._INLINED_SIGNATURES.clear()
     counters.clear()
     clear_compilation_metrics()
     yield

@@ -57,6 +57,12 @@ def _region_calls(graph: fx.Graph) -> list[fx.Node]:
     return graph.find_nodes(op="call_function", target=invoke_subgraph)
 
 
+#: Body traces of one compile of alike blocks: the first block is keyed before its body
+#: shows what it reads ([Note: region keys are guarded]); the second, keyed on that, is
+#: traced again, and every later block reuses its body.
+ALIKE_BLOCKS_BODY_TRACES = 2
+
+
 def _region_body_traces() -> int:
     """How many region bodies Dynamo traced; a reused one is stamped out instead.
 
@@ -74,7 +80,7 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     forward_regions = _region_calls(forward.graph)
     assert len(forward_regions) == N_LAYERS
     assert len({node.args[1] for node in forward_regions}) == 1  # one subgraph, stamped out per block
-    assert _region_body_traces() == 1
+    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
     assert len(_region_calls(backward.graph)) == N_LAYERS
     # The cost model charges a region what its nodes cost (the block's matmuls), not its bytes.
     profile = get_profile("h100_nvlink")
@@ -101,7 +107,7 @@ def test_checkpointed_blocks_share_one_region():
     """Tracing the checkpoints writes nothing that keys the blocks apart ([Note: writes between blocks key them apart])."""
     _, capture = _compile_with_regions(2, checkpoint_blocks=True)
     assert len(_region_calls(capture.forward_graphs[0].graph)) == N_LAYERS
-    assert _region_body_traces() == 1
+    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
 
 
 def test_graph_dumps_list_the_region_bodies(tmp_path):
@@ -353,6 +359,36 @@ def _attribute_changed_after_compiling_worker(rank, world_size):
 def test_an_attribute_changed_after_compiling_recompiles():
     """[Note: region keys are guarded]: block 2 must not go on running block 0's subgraph."""
     run_gloo(_attribute_changed_after_compiling_worker, 2)
+
+
+def _blocks_with_per_layer_attributes(n_layers, attribute):
+    """``n_layers`` of ``_ScaledModel``'s blocks, block ``i`` holding ``i`` in ``attribute``, compiled once."""
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        model.blocks = nn.ModuleList(_ScaledBlock() for _ in range(n_layers))
+        for layer_id, block in enumerate(model.blocks):
+            setattr(block, attribute, float(layer_id))
+        _shard_blocks_and_root(model)
+        reference = copy.deepcopy(model)  # sharded, run eagerly
+        capture = CapturingBackend(min_cut=True)
+        inputs = torch.randn(4, 6)
+        output = torch.compile(model, backend=capture.backend, fullgraph=True)(inputs)
+        torch.testing.assert_close(output, reference(inputs), rtol=0, atol=1e-6)
+    return capture
+
+
+def test_a_plain_attribute_no_body_reads_keys_no_block_apart():
+    """torchtitan's blocks hold a ``layer_id`` their forward never reads: ten blocks share one body."""
+    capture = _blocks_with_per_layer_attributes(10, "layer_id")
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == 10
+    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
+
+
+def test_a_plain_attribute_each_body_reads_keys_every_block_apart_past_torchs_reuse_cap():
+    """A ``scale`` per block that the forward reads: ten keys, more than torch's default cap of 8."""
+    capture = _blocks_with_per_layer_attributes(10, "scale")
+    # Each subgraph is used once, so the blocks are inlined after their bodies' traces.
+    assert _region_body_traces() == 10 and not _region_calls(capture.forward_graphs[0].graph)
 
 
 class _Scale:
@@ -656,7 +692,7 @@ def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
         model = Model()
         _shard_blocks_and_root(model)
         torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(torch.randn(4, 6))
-    assert _region_body_traces() == 1
+    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
 
 
 # Hand-built graphs ---------------------------------------------------------------------------
@@ -731,7 +767,9 @@ def test_block_signature_equal_for_alike_blocks_and_different_otherwise():
     assert block_signature(first) == block_signature(second)
     wider = TransformerBlock(LlamaConfig(dim=128))
     assert block_signature(wider) != block_signature(first)
-    second.attention.layer_id = 1  # state the forward may read
+    second.attention.layer_id = 1  # a plain value: keyed only where a body reads it
+    assert block_signature(second) == block_signature(first)
+    second.attention.rope = object()  # an object: by identity
     assert block_signature(second) != block_signature(first)
     third = TransformerBlock(config)
     third.feed_forward.register_forward_hook(lambda *_: None)
