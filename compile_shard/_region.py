@@ -182,7 +182,34 @@ def _tensor_key(value: Any) -> Any:
     return value
 
 
-def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tuple, tuple, dict]:
+def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
+    """``values`` as leaves, and a layout that rebuilds them: per value ``.`` (a leaf) or ``t``/``l`` and a count."""
+    tokens, leaves = [], []
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            tokens.append(("t" if isinstance(value, tuple) else "l") + str(len(value)))
+            leaves.extend(value)
+        else:
+            tokens.append(".")
+            leaves.append(value)
+    return ",".join(tokens), leaves
+
+
+def _unflatten(layout: str, leaves: tuple) -> tuple[list[Any], tuple]:
+    """The values ``_flatten`` made ``layout`` and the first of ``leaves`` from, and the leaves left."""
+    values, at = [], 0
+    for token in layout.split(",") if layout else ():
+        if token == ".":
+            values.append(leaves[at])
+            at += 1
+        else:
+            items = leaves[at : at + int(token[1:])]
+            values.append(tuple(items) if token[0] == "t" else list(items))
+            at += len(items)
+    return values, leaves[at:]
+
+
+def _region_arguments(num_params: int, layout: str, flat: tuple) -> tuple[tuple, list, dict]:
     """Splits a region call's flat arguments back into unsharded parameters, args and kwargs.
 
     [Note: region arguments are flat]
@@ -190,15 +217,20 @@ def _region_arguments(num_params: int, num_args: int, flat: tuple) -> tuple[tupl
     unless every argument is already a leaf (a tensor, a module or a constant); that and
     tracing the block's signature inside the key (``_signature_hash`` computes it
     untraced) cost Dynamo time at every call site. So ``call_in_region`` passes
-    the unsharded parameters, the args, the kwargs' names and then their values one by one,
-    led by the counts that split them here. The kwargs come sorted by name: a reused
-    subgraph maps its tensor inputs by position, so blocks called with the same keywords
-    in another order must line up.
+    the unsharded parameters, the args' leaves, the kwargs' names and then their
+    values' leaves one by one, with the count of parameters and a layout string that
+    rebuilds the args and kwargs (``_flatten``: a tuple or list of leaves, such as Hugging
+    Face's ``position_embeddings``, is one level deep). The kwargs come sorted by name: a
+    reused subgraph maps its tensor inputs by position, so blocks called with the same
+    keywords in another order must line up. The key reads the leaves and the layout
+    without rebuilding anything.
     """
-    params, rest = flat[:num_params], flat[num_params:]
-    args, named = rest[:num_args], rest[num_args:]
-    half = len(named) // 2
-    return params, args, dict(zip(named[:half], named[half:]))
+    params = flat[:num_params]
+    positional, named = layout.split("|")
+    args, rest = _unflatten(positional, flat[num_params:])
+    num_names = len(named.split(",")) if named else 0
+    values, _ = _unflatten(named, rest[num_names:])
+    return params, args, dict(zip(rest[:num_names], values))
 
 
 @torch.compiler.assume_constant_result
@@ -216,24 +248,22 @@ def _signature_hash(module: nn.Module) -> int:
     return hash(block_signature(module))
 
 
-def _reuse_key(module: nn.Module, attributes: int, num_params: int, num_args: int, *flat: Any) -> int:
+def _reuse_key(module: nn.Module, attributes: int, num_params: int, layout: str, *flat: Any) -> int:
     """Traced by Dynamo for every call; equal keys reuse one subgraph."""
-    unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
-    device_type = unsharded_params[0].device.type
+    device_type = flat[0].device.type  # an unsharded parameter
     return hash(
         (
             _signature_hash(module),
             attributes,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
-            tuple(_tensor_key(tensor) for tensor in unsharded_params),
-            tuple(_tensor_key(arg) for arg in args),
-            tuple((name, _tensor_key(value)) for name, value in kwargs.items()),  # names come sorted
+            layout,
+            tuple(_tensor_key(leaf) for leaf in flat),  # the kwargs' names among them, sorted
         )
     )
 
 
-def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: int, *flat: Any) -> Any:
+def _run_block(module: nn.Module, attributes: int, num_params: int, layout: str, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again, as its own
@@ -245,7 +275,7 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, num_args: in
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
-    unsharded_params, args, kwargs = _region_arguments(num_params, num_args, flat)
+    unsharded_params, args, kwargs = _region_arguments(num_params, layout, flat)
     for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
         fsdp_param.show_unsharded(tensor)
     _forget_side_effects()
@@ -473,20 +503,28 @@ _block_region = (
 )
 
 
-def accepts_region_call(args: tuple, kwargs: dict) -> bool:
-    """Whether a region can take these arguments: plain values and tensors of static shape.
+def _region_leaf(value: Any) -> bool:
+    """A plain value, or a tensor of static shape.
 
-    Anything else runs the block inlined: a nested structure (the reuse key describes
-    leaves only), or symbolic sizes (a ``dynamic=True`` trace, or a recompile that
-    marked a size dynamic), where torch 2.13's region reuse fails inside Dynamo. The
-    size test reads ``__class__``: Dynamo answers ``isinstance(size, torch.SymInt)``
+    The size test reads ``__class__``: Dynamo answers ``isinstance(size, torch.SymInt)``
     with False for symbolic sizes too.
     """
+    if isinstance(value, torch.Tensor):
+        return all(size.__class__ is int for size in value.shape)
+    return isinstance(value, PLAIN)
+
+
+def accepts_region_call(args: tuple, kwargs: dict) -> bool:
+    """Whether a region can take these arguments: leaves, and tuples and lists of leaves.
+
+    Anything else runs the block inlined: a deeper structure or an object (the layout
+    describes one level, [Note: region arguments are flat]), or symbolic sizes (a
+    ``dynamic=True`` trace, or a recompile that marked a size dynamic), where torch
+    2.13's region reuse fails inside Dynamo.
+    """
     for value in [*args, *kwargs.values()]:
-        if isinstance(value, torch.Tensor):
-            if any(size.__class__ is not int for size in value.shape):
-                return False
-        elif not isinstance(value, PLAIN):
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        if not all(_region_leaf(item) for item in items):
             return False
     return True
 
@@ -561,7 +599,9 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     # tensor-parallel parameter as a DTensor again: it takes the local tensors.
     unsharded_params = [fsdp_param.unsharded_local() for fsdp_param in state.group.fsdp_params]
     names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
-    flat = (*unsharded_params, *args, *names, *(kwargs[name] for name in names))
+    positional, arg_leaves = _flatten(list(args))
+    named, value_leaves = _flatten([kwargs[name] for name in names])
+    flat = (*unsharded_params, *arg_leaves, *names, *value_leaves)
     attribute_names, numbers = _plain_attributes(module)
     # Each read is a guard on the value: [Note: region keys are guarded].
     values = tuple(
@@ -572,4 +612,4 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return module._user_forward(*args, **kwargs)
     key = hash((values, _writes_so_far()))
-    return _block_region(module, key, len(unsharded_params), len(args), *flat)
+    return _block_region(module, key, len(unsharded_params), f"{positional}|{named}", *flat)
