@@ -23,7 +23,7 @@ from ._region import (
     accepts_region_call,
     call_in_region,
     runs_hooks_inside,
-    runs_inlined_after_restart,
+    runs_inlined,
     updates_running_stats,
 )
 from .passes import install
@@ -159,7 +159,7 @@ class FSDPState:
             and accepts_region_call(args, kwargs)
             and not runs_hooks_inside(self.module)
             and not updates_running_stats(self.module)
-            and not runs_inlined_after_restart(self.module)
+            and not runs_inlined(self.module)
         )
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:

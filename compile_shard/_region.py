@@ -21,10 +21,10 @@ the metadata of the call's arguments. Blocks with equal keys share one compiled
 subgraph, traced from the first of them. What a body reads outside the modules (a
 global, a shared object) is a constant of that first trace: a write to it between
 the blocks' calls keys the later blocks apart ([Note: writes between blocks key them
-apart]), and a change between steps fails the first block's guards and recompiles.
-A number changed that way comes back symbolic (automatic dynamic), which torch 2.13
-cannot pass to a reused region body; the blocks then run inlined (a global read in
-the body: ``_symbolic_number_read``; a module attribute or an argument: below and
+apart]), and a change between steps fails the guards and recompiles. A number
+changed that way comes back symbolic (automatic dynamic), which torch 2.13 cannot
+pass to a reused region body; the blocks then run inlined (a global:
+``_symbolic_numbers``; a module attribute or an argument: below and
 ``accepts_region_call``).
 
 [Note: region keys are guarded]
@@ -39,10 +39,9 @@ keys that block apart. Keying on every plain attribute would key apart blocks th
 differ only in what no body reads (torchtitan's ``layer_id``, Hugging Face's
 ``layer_idx`` without a cache), each block traced anew. Which names the body reads is
 learned from its trace (``_learn_reads``): each read is a guard whose source names the
-attribute. The first block of a signature is keyed before its body is traced, on
-nothing but ``_compile_shard_writes``, so the second block, keyed on what that body
-read, is traced again and later blocks reuse its body; the names are kept per
-signature, and later compiles key the first block on them too. Which attributes to
+attribute. The first block of a signature runs inlined ([Note: the first block of
+each kind runs inlined]) and shows what the forward reads; a body read on another
+key's path adds to it; the names are kept per signature. Which attributes to
 read is found per trace (``_plain_attributes``), ``_compile_shard_writes`` always
 among them: the count of the writes these reads miss (an attribute added or deleted,
 an object or a submodule replaced), [Note: a block's attribute writes are counted] in
@@ -53,11 +52,28 @@ symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute)
 which a region body cannot take from its caller ("Freevar has no source"). That
 block then runs inlined, like a call with symbolic sizes (``accepts_region_call``).
 
+[Note: the first block of each kind runs inlined]
+In each trace, the first block of each signature runs its forward inlined, and only
+the later ones call the shared region (``_first_of_its_signature``). Three things
+follow. What the inlined forward read tells the later blocks' keys what to read, so
+one body is traced per key, not one more for a first block keyed on nothing. A graph
+break in the forward happens where Dynamo can split the graph, as without regions:
+inside a region torch 2.13 raises ``UncapturedHigherOrderOpError`` instead, and
+without nested graph breaks Dynamo resumes after the block's call, where the next
+block is the first of the new trace. And the first block's backward is ordinary ops
+again: its weight gradients, and so its reduce-scatter, come before the matmuls for
+its input gradient, which hide that reduce-scatter, where a region returns both
+gradients together and leaves only the embedding's backward to hide it (the
+simulated schedules are in docs/benchmarks.md). The cost is one block's ops in the
+outer graph for Inductor to lower. A symbolic number the inlined block read would
+reach the later bodies from the caller's graph, which torch 2.13 cannot take: those
+blocks run inlined (``_learn_from_first_block``).
+
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
-first block and none of its Python. A forward that writes state outside the region
+block its body was traced from and none of its Python. A forward that writes state outside the region
 (an auxiliary loss stored on its module, a global counter, a list it appends to)
-would write it for the first block only; torch 2.13 does not refuse such a region
+would write it for one block only; torch 2.13 does not refuse such a region
 when a ``reuse_hash_fn`` keys it (a global incremented in the body ran once for three
 calls, measured). So the traced body reads Dynamo's record of the first write the
 block's forward made to anything it did not create (``side_effect_stack``, which
@@ -99,6 +115,7 @@ import itertools
 import os
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -283,7 +300,7 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, layout: str,
         output = module._user_forward(*args, **kwargs)
     items = output if isinstance(output, (tuple, list)) else (output,)
     _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
-    _learn_reads(module)
+    _learn_from_body(module)
     return output
 
 
@@ -340,13 +357,11 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
     """Restarts Dynamo's analysis with ``module``'s blocks inlined if a region cannot replay its forward."""
     tracer = _subgraph_tracer()
     written_at = tracer.side_effect_stack
-    symbolic = _symbolic_number_read(tracer)
+    outer = _symbolic_numbers(tracer.parent)
+    symbolic = next((outer[proxy.node] for proxy in tracer.lifted_freevars if proxy.node in outer), None)
     if symbolic is not None:
         filename, lineno = _user_forward_line(module)
-        reason = (
-            f"reads {symbolic}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
-            f"shared compile region; pass it to the block as a tensor to keep the region"
-        )
+        reason = _symbolic_reason(symbolic)
     elif written_at is not None:
         frame = next((f for f in reversed(written_at) if not f.filename.startswith(_NOT_THE_USERS)), written_at[-1])
         filename, lineno = frame.filename, frame.lineno or 0
@@ -359,8 +374,22 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
         reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
     else:
         return 0
+    _inline_blocks_like(module, reason, filename, lineno)
+    tx = InstructionTranslator.current_tx()
+    tx.speculation_log.clear()  # the new analysis takes another path from here on
+    raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
+
+
+def _symbolic_reason(name: str) -> str:
+    return (
+        f"reads {name}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
+        f"shared compile region; pass it to the block as a tensor to keep the region"
+    )
+
+
+def _inline_blocks_like(module: nn.Module, reason: str, filename: str, lineno: int) -> None:
+    """From now on blocks with ``module``'s signature run inlined; warned at the user's line, not Dynamo's."""
     _INLINED_SIGNATURES.add(_signature_hash(module))
-    # Warned at the user's line (the write, or the forward), not inside Dynamo, which calls this.
     warnings.warn_explicit(
         f"compile_regions: the forward of {module._compile_shard_state.group.module_name} {reason}; blocks like "
         f"it run inlined",
@@ -368,9 +397,6 @@ def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> 
         filename,
         lineno,
     )
-    tx = InstructionTranslator.current_tx()
-    tx.speculation_log.clear()  # the new analysis takes another path from here on
-    raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
 
 
 #: Per ``_signature_hash``: the names of the plain attributes the key reads, those its bodies' traces read.
@@ -391,8 +417,14 @@ def _guarded_names(guards: Any) -> set[str]:
 
 
 @torch.compiler.assume_constant_result
-def _learn_reads(module: nn.Module) -> int:
-    """Adds the plain attributes this body read to what the keys of blocks like ``module`` read.
+def _learn_from_body(module: nn.Module) -> int:
+    """What a body read that the first block did not (another key's path) keys later blocks too."""
+    _learn_reads(module)
+    return 0
+
+
+def _learn_reads(module: nn.Module) -> None:
+    """Adds the plain attributes read so far to what the keys of blocks like ``module`` read.
 
     See [Note: region keys are guarded]. A body's read of a module's plain attribute is
     a guard on it, so the guards' sources name every attribute the body read, and more
@@ -407,24 +439,76 @@ def _learn_reads(module: nn.Module) -> int:
     signature = _signature_hash(module)
     guarded = _guarded_names(InstructionTranslator.current_tx().output.guards)
     _READ_NAMES[signature] = _READ_NAMES.get(signature, frozenset()) | (plain & guarded)
-    return 0
 
 
-def _symbolic_number_read(tracer: Any) -> str | None:
-    """The name of a symbolic number the region body reads from its caller's graph, if any.
+#: The trace (Dynamo's output graph, which is not hashable) and the signatures whose first block it has run.
+_traced_signatures: tuple[weakref.ref | None, set[int]] = (None, set())
+
+
+@torch.compiler.assume_constant_result
+def _first_of_its_signature(module: nn.Module) -> bool:
+    """Whether this trace has not run a block like ``module`` yet; from now on it has."""
+    global _traced_signatures
+    output = InstructionTranslator.current_tx().output
+    trace, seen = _traced_signatures
+    if trace is None or trace() is not output:
+        _traced_signatures = trace, seen = weakref.ref(output), set()
+    signature = _signature_hash(module)
+    if signature in seen:
+        return False
+    seen.add(signature)
+    return True
+
+
+def _symbolic_numbers(tracer: Any) -> dict[Any, str]:
+    """The nodes of ``tracer``'s graph that hold a number Dynamo made symbolic, each with the number's name.
 
     A number that changed between steps comes back symbolic (automatic dynamic), as a
-    0-d tensor input of the caller's graph that the body lifts. torch 2.13 then fails
-    to reuse the body ("Argument 'item' ... does not belong to this Graph", measured
-    for a global float), so the blocks run inlined. The parameters and arguments the
-    body lifts are the caller's intermediates, not its inputs.
+    0-d tensor input of the root graph and the ``item()`` that reads it; a nested
+    tracer lifts either as an input of its own. torch 2.13 cannot pass such a number
+    to a reused region body: lifting the root's input fails to reuse the body
+    ("Argument 'item' ... does not belong to this Graph"), lifting its ``item()``
+    fails the trace ("Freevar has no source"), measured for a global float.
     """
-    for outer in tracer.lifted_freevars:
-        graph_arg = outer.node.meta.get("grapharg")
-        if graph_arg is not None and graph_arg.pass_arg_as_tensor:
-            source = graph_arg.source  # the global's name, not Dynamo's G['__import_<module>'].<name>
-            return getattr(source, "member", None) or getattr(source, "global_name", None) or source.name
-    return None
+    if tracer.parent is None:
+        numbers = {}
+        for node in tracer.graph.find_nodes(op="placeholder"):
+            graph_arg = node.meta.get("grapharg")
+            if graph_arg is not None and graph_arg.pass_arg_as_tensor:
+                source = graph_arg.source  # the global's name, not Dynamo's G['__import_<module>'].<name>
+                numbers[node] = getattr(source, "member", None) or getattr(source, "global_name", None) or source.name
+    else:
+        outer = _symbolic_numbers(tracer.parent)
+        lifted = tracer.lifted_freevars.items()
+        numbers = {inner.node: outer[proxy.node] for proxy, inner in lifted if proxy.node in outer}
+    for node, name in list(numbers.items()):
+        numbers.update({user: name for user in node.users if user.op == "call_method" and user.target == "item"})
+    return numbers
+
+
+@torch.compiler.assume_constant_result
+def _node_count() -> int:
+    """How many nodes the graph being traced holds."""
+    return len(_subgraph_tracer().graph.nodes)
+
+
+@torch.compiler.assume_constant_result
+def _learn_from_first_block(module: nn.Module, nodes_before: int) -> int:
+    """After the inlined first block of its signature: what later keys read, and whether regions can take it.
+
+    A symbolic number it read (a node made since ``nodes_before`` reads one) would
+    reach the later blocks' region bodies from the caller's graph, which torch 2.13
+    cannot take ([Note: region keys are guarded]): blocks like it run inlined.
+    """
+    _learn_reads(module)
+    tracer = _subgraph_tracer()
+    numbers = _symbolic_numbers(tracer)
+    for node in itertools.islice(tracer.graph.nodes, nodes_before, None):
+        name = next((numbers[arg] for arg in node.all_input_nodes if arg in numbers), None)
+        if name is not None:
+            _inline_blocks_like(module, _symbolic_reason(name), *_user_forward_line(module))
+            break
+    return 0
 
 
 _untracked_writes = itertools.count(1)
@@ -487,8 +571,11 @@ def _writes_so_far() -> int:
 
 
 @torch.compiler.assume_constant_result
-def runs_inlined_after_restart(module: nn.Module) -> bool:
-    """Whether ``_inline_if_not_replayable`` inlined blocks like ``module``; read like ``_signature_hash``."""
+def runs_inlined(module: nn.Module) -> bool:
+    """Whether blocks like ``module`` run inlined: a region cannot replay their forward (``_inline_blocks_like``).
+
+    Read like ``_signature_hash``.
+    """
     return _signature_hash(module) in _INLINED_SIGNATURES
 
 
@@ -611,5 +698,11 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     )
     if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return module._user_forward(*args, **kwargs)
+    if _first_of_its_signature(module):
+        nodes_before = _node_count()
+        output = module._user_forward(*args, **kwargs)
+        if torch.compiler.is_compiling():  # not where a graph break in the forward resumed uncompiled
+            _learn_from_first_block(module, nodes_before)
+        return output
     key = hash((values, _writes_so_far()))
     return _block_region(module, key, len(unsharded_params), f"{positional}|{named}", *flat)

@@ -9,6 +9,7 @@ graphs belong to torch 2.13 (op decompositions and node names change between tor
 versions); on another version these tests skip.
 """
 
+import dataclasses
 import difflib
 import functools
 from pathlib import Path
@@ -54,6 +55,14 @@ def _llama(**kwargs):
     model = Llama(LLAMA_CONFIG)
     _shard([*model.layers, model], **kwargs)
     return model, torch.randint(0, LLAMA_CONFIG.vocab_size, (2, 8))
+
+
+def _llama3(**kwargs):
+    """Three blocks: with ``compile_regions`` the first runs inlined and the other two call one region."""
+    config = dataclasses.replace(LLAMA_CONFIG, n_layers=3)
+    model = Llama(config)
+    _shard([*model.layers, model], **kwargs)
+    return model, torch.randint(0, config.vocab_size, (2, 8))
 
 
 def _llama_tensor_parallel(mesh, **kwargs):
@@ -141,9 +150,9 @@ def test_golden_graphs(model, world_size, reshard_after_forward, bucketed, tmp_p
 
 @pytest.mark.parametrize("world_size", [2, 8])
 def test_golden_graphs_with_compile_regions(world_size, tmp_path):
-    """settings.compile_regions: both blocks call one region, whose body follows each graph."""
-    name = f"llama2_tied_ws{world_size}_reshard_regions"
-    _assert_golden(name, _staged_graphs(_llama, world_size, True, tmp_path, compile_regions=True))
+    """settings.compile_regions: the last two blocks call one region, whose body follows each graph."""
+    name = f"llama3_tied_ws{world_size}_reshard_regions"
+    _assert_golden(name, _staged_graphs(_llama3, world_size, True, tmp_path, compile_regions=True))
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no_reshard"])

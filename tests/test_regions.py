@@ -17,7 +17,7 @@ from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import Llama, LlamaConfig, TransformerBlock
-from compile_shard.passes import settings
+from compile_shard.passes import ShardedGraphBreakWarning, settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
 from compile_shard.passes.compile_regions import compile_regions
 from compile_shard.passes.simulate import simulate_step
@@ -32,6 +32,8 @@ pytestmark = [
 ]
 
 N_LAYERS = 3
+# The first block of each kind runs inlined ([Note: the first block of each kind runs inlined]).
+REGION_BLOCKS = N_LAYERS - 1
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
 
@@ -57,12 +59,6 @@ def _region_calls(graph: fx.Graph) -> list[fx.Node]:
     return graph.find_nodes(op="call_function", target=invoke_subgraph)
 
 
-#: Body traces of one compile of alike blocks: the first block is keyed before its body
-#: shows what it reads ([Note: region keys are guarded]); the second, keyed on that, is
-#: traced again, and every later block reuses its body.
-ALIKE_BLOCKS_BODY_TRACES = 2
-
-
 def _region_body_traces() -> int:
     """How many region bodies Dynamo traced; a reused one is stamped out instead.
 
@@ -78,10 +74,10 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
     (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
     forward_regions = _region_calls(forward.graph)
-    assert len(forward_regions) == N_LAYERS
+    assert len(forward_regions) == REGION_BLOCKS
     assert len({node.args[1] for node in forward_regions}) == 1  # one subgraph, stamped out per block
-    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
-    assert len(_region_calls(backward.graph)) == N_LAYERS
+    assert _region_body_traces() == 1
+    assert len(_region_calls(backward.graph)) == REGION_BLOCKS
     # The cost model charges a region what its nodes cost (the block's matmuls), not its bytes.
     profile = get_profile("h100_nvlink")
     region = getattr(forward, forward_regions[0].args[0].target)
@@ -106,8 +102,8 @@ def _assert_reshards(model, forward, backward):
 def test_checkpointed_blocks_share_one_region():
     """Tracing the checkpoints writes nothing that keys the blocks apart ([Note: writes between blocks key them apart])."""
     _, capture = _compile_with_regions(2, checkpoint_blocks=True)
-    assert len(_region_calls(capture.forward_graphs[0].graph)) == N_LAYERS
-    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == REGION_BLOCKS
+    assert _region_body_traces() == 1
 
 
 def test_graph_dumps_list_the_region_bodies(tmp_path):
@@ -117,7 +113,8 @@ def test_graph_dumps_list_the_region_bodies(tmp_path):
     listing = forward.read_text()
     main, _, body = listing.partition("partitioned_fw_subgraph_0_0:\n")
     assert "invoke_subgraph(partitioned_fw_subgraph_0_0, " in main
-    assert main.count("aten.mm.default") == 1  # the output projection; the blocks' matmuls are in the body
+    # The first block's 7 and the output projection; the other blocks' matmuls are in the body.
+    assert main.count("aten.mm.default") == 8
     assert body.startswith("    ") and body.count("aten.mm.default") == 7
 
 
@@ -126,7 +123,7 @@ def test_dry_run_capture_partitions_regions_like_inductor():
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
         tokens = torch.randint(0, 1001, (2, 9))
         forward, backward = capture_step(model, lambda compiled: lm_loss(compiled, tokens))
-    assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == N_LAYERS
+    assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == REGION_BLOCKS
     assert op_counts(backward.graph)["all_gather"] == N_LAYERS
     simulation = simulate_step([forward.graph, backward.graph], get_profile("h100_nvlink"), world_size=8)
     assert simulation.compute_seconds > 0
@@ -264,8 +261,8 @@ def _hugging_face_llama_worker(rank, world_size):
     for with_regions, inlined, eager in zip(*(model.parameters() for model in models)):
         torch.testing.assert_close(with_regions.full_tensor(), inlined.full_tensor(), rtol=0, atol=0)
         torch.testing.assert_close(with_regions.full_tensor(), eager.full_tensor(), rtol=0, atol=1e-6)
-    assert len(_region_calls(capture.forward_graphs[0].graph)) == N_LAYERS
-    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == REGION_BLOCKS
+    assert _region_body_traces() == 1
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # one per model
 
 
@@ -284,10 +281,12 @@ def _reused_block_with_regions(rank, world_size):
     settings.compile_regions = True
     capture = CapturingBackend(min_cut=True)
     _reused_block_worker(rank, world_size, capture.backend)
-    assert len(_region_calls(capture.forward_graphs[0].graph)) == 2
+    # The first call runs inlined, the first of its kind; the second calls a region used once, which
+    # is inlined after its trace.
+    assert _region_body_traces() == 1
 
 
-def test_a_block_called_twice_per_forward_calls_its_region_twice_and_matches_the_reference():
+def test_a_block_called_twice_per_forward_traces_its_region_once_and_matches_the_reference():
     run_gloo(_reused_block_with_regions, 2)
 
 
@@ -334,8 +333,10 @@ def _keyword_arguments_worker(rank, world_size):
     loss = compiled(inputs[4 * rank : 4 * rank + 4]).pow(2).sum() * world_size
     loss.backward()
     reference(inputs).pow(2).sum().backward()
+    # Block 0 runs inlined, the first of its kind; block 1's key (scale=2.0) is used once, so it is
+    # inlined; blocks 2 and 3 (scale=0.5, keywords in either order) share one subgraph.
     regions = _region_calls(capture.forward_graphs[0].graph)
-    assert len(regions) == 4 and len({node.args[1] for node in regions}) == 2  # scale=0.5 is another key
+    assert len(regions) == 2 and len({node.args[1] for node in regions}) == 1
     for param, reference_param in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad.full_tensor(), reference_param.grad, rtol=1e-5, atol=1e-5)
 
@@ -355,12 +356,12 @@ class _ScaledBlock(nn.Module):
 
 
 class _ScaledModel(nn.Module):
-    """Three alike blocks; ``autocast_block`` runs under bfloat16 autocast. ``proj`` as in ``_KeywordModel``."""
+    """Alike blocks; ``autocast_block`` runs under bfloat16 autocast. ``proj`` as in ``_KeywordModel``."""
 
-    def __init__(self, autocast_block=None):
+    def __init__(self, autocast_block=None, n_blocks=3):
         super().__init__()
         self.proj = nn.Linear(6, 6)
-        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(3))
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(n_blocks))
         self.autocast_block = autocast_block
 
     def forward(self, x):
@@ -377,17 +378,18 @@ class _ScaledModel(nn.Module):
 def _state_outside_the_signature_worker(rank, world_size, case):
     settings.compile_regions = True
     torch.manual_seed(0)
-    model = _ScaledModel(autocast_block=1 if case == "autocast" else None)
+    model = _ScaledModel(autocast_block=2 if case == "autocast" else None, n_blocks=4)
     _shard_blocks_and_root(model)
     if case == "attribute_after_fully_shard":
-        model.blocks[1].scale = 3.0
+        model.blocks[2].scale = 3.0
     reference = copy.deepcopy(model)  # sharded, run eagerly
     capture = CapturingBackend(min_cut=True)
     compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
     inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     torch.testing.assert_close(compiled(inputs), reference(inputs), rtol=0, atol=1e-6)
     regions = _region_calls(capture.forward_graphs[0].graph)
-    # Blocks 0 and 2 share one subgraph; block 1's own is used once, so it is inlined.
+    # Block 0 runs inlined, the first of its kind; blocks 1 and 3 share one subgraph; block 2's own is
+    # used once, so it is inlined.
     assert len(regions) == 2 and len({node.args[1] for node in regions}) == 1
 
 
@@ -400,7 +402,7 @@ def test_a_block_that_differs_outside_its_parameters_gets_its_own_region(case):
 def _attribute_changed_after_compiling_worker(rank, world_size):
     settings.compile_regions = True
     torch.manual_seed(0)
-    model = _ScaledModel()
+    model = _ScaledModel(n_blocks=4)
     _shard_blocks_and_root(model)
     reference = copy.deepcopy(model)  # sharded, run eagerly
     capture = CapturingBackend(min_cut=True)
@@ -411,7 +413,8 @@ def _attribute_changed_after_compiling_worker(rank, world_size):
         module.blocks[2].scale = 3.0
     torch.testing.assert_close(compiled(inputs), reference(inputs), rtol=0, atol=1e-6)
     assert recompiles() == 1
-    # Blocks 0 and 1 still share one subgraph; block 2's own is used once, so it is inlined.
+    # Block 0 runs inlined; blocks 1 and 3 still share one subgraph; block 2's own is used once, so it
+    # is inlined.
     assert len(_region_calls(capture.forward_graphs[-1].graph)) == 2
 
 
@@ -439,15 +442,15 @@ def _blocks_with_per_layer_attributes(n_layers, attribute):
 def test_a_plain_attribute_no_body_reads_keys_no_block_apart():
     """torchtitan's blocks hold a ``layer_id`` their forward never reads: ten blocks share one body."""
     capture = _blocks_with_per_layer_attributes(10, "layer_id")
-    assert len(_region_calls(capture.forward_graphs[0].graph)) == 10
-    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == 9  # the first block runs inlined
+    assert _region_body_traces() == 1
 
 
 def test_a_plain_attribute_each_body_reads_keys_every_block_apart_past_torchs_reuse_cap():
     """A ``scale`` per block that the forward reads: ten keys, more than torch's default cap of 8."""
     capture = _blocks_with_per_layer_attributes(10, "scale")
-    # Each subgraph is used once, so the blocks are inlined after their bodies' traces.
-    assert _region_body_traces() == 10 and not _region_calls(capture.forward_graphs[0].graph)
+    # The first block runs inlined; each other subgraph is used once, so it is inlined after its trace.
+    assert _region_body_traces() == 9 and not _region_calls(capture.forward_graphs[0].graph)
 
 
 class _Scale:
@@ -523,6 +526,30 @@ def test_writes_the_guards_see_are_not_counted():
     assert block.activation in block._compile_shard_state.region_modules
     block.activation.extra = object()
     assert block.activation.__dict__[WRITES_ATTR] == 1
+
+
+def test_a_graph_break_inside_a_block_splits_the_step_as_without_regions():
+    """The first block of a kind runs inlined, where Dynamo breaks the graph as usual, and so does every block.
+
+    torch 2.13 cannot break a graph inside a region (``UncapturedHigherOrderOpError``).
+    """
+
+    class BreakingBlock(_ScaledBlock):
+        def forward(self, x):
+            x = self.linear(x)
+            torch._dynamo.graph_break()
+            return x * self.scale
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel()
+        model.blocks = nn.ModuleList(BreakingBlock() for _ in range(3))
+        _shard_blocks_and_root(model)
+        inputs = torch.randn(4, 6)
+        expected = model(inputs)
+        with pytest.warns(ShardedGraphBreakWarning):
+            output = torch.compile(model, backend="aot_eager")(inputs)
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    assert counters["graph_break"] and _region_body_traces() == 0
 
 
 def test_a_block_whose_submodules_run_hooks_is_inlined():
@@ -615,10 +642,10 @@ def _writes_seen(model, write):
 @pytest.mark.parametrize(
     "write, message",
     [
-        ("attribute", r"forward of blocks\.0 writes state it did not create \(forward at 'self\.aux_loss = "),
-        ("global", r"forward of blocks\.0 writes state it did not create \(forward at '_WRITES\[.global.\] \+= 1'"),
-        ("list", r"forward of blocks\.0 writes state it did not create \(forward at '_WRITES\[.list.\]\.append"),
-        ("returns_none", r"forward of blocks\.0 returns something other than a tensor"),
+        ("attribute", r"forward of blocks\.1 writes state it did not create \(forward at 'self\.aux_loss = "),
+        ("global", r"forward of blocks\.1 writes state it did not create \(forward at '_WRITES\[.global.\] \+= 1'"),
+        ("list", r"forward of blocks\.1 writes state it did not create \(forward at '_WRITES\[.list.\]\.append"),
+        ("returns_none", r"forward of blocks\.1 returns something other than a tensor"),
     ],
 )
 def test_a_block_whose_python_a_region_cannot_replay_runs_inlined(write, message):
@@ -732,7 +759,7 @@ def test_a_global_number_changed_between_steps_runs_the_blocks_inlined():
         finally:
             _SHARED_SCALE = 0.0
     assert recompiles() == 1
-    assert len(_region_calls(capture.forward_graphs[0].graph)) == 3
+    assert len(_region_calls(capture.forward_graphs[0].graph)) == REGION_BLOCKS
     assert not _region_calls(capture.forward_graphs[-1].graph)
 
 
@@ -751,7 +778,7 @@ def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
         model = Model()
         _shard_blocks_and_root(model)
         torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(torch.randn(4, 6))
-    assert _region_body_traces() == ALIKE_BLOCKS_BODY_TRACES
+    assert _region_body_traces() == 1
 
 
 # Hand-built graphs ---------------------------------------------------------------------------
