@@ -71,9 +71,9 @@ blocks run inlined (``_learn_from_first_block``).
 
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
-block its body was traced from and none of its Python. A forward that writes state outside the region
-(an auxiliary loss stored on its module, a global counter, a list it appends to)
-would write it for one block only; torch 2.13 does not refuse such a region
+block its body was traced from and none of its Python. A forward that writes state
+outside the region (an auxiliary loss stored on its module, a global counter, a list
+it appends to) would write it for one block only; torch 2.13 does not refuse such a region
 when a ``reuse_hash_fn`` keys it (a global incremented in the body ran once for three
 calls, measured). So the traced body reads Dynamo's record of the first write the
 block's forward made to anything it did not create (``side_effect_stack``, which
