@@ -453,6 +453,25 @@ def test_a_plain_attribute_each_body_reads_keys_every_block_apart_past_torchs_re
     assert _region_body_traces() == 9 and not _region_calls(capture.forward_graphs[0].graph)
 
 
+def test_an_attribute_read_on_a_later_blocks_path_keys_the_blocks_after_it():
+    """Block 0 skips the branch that reads ``extra``; blocks 1 to 3 take it, and block 3 holds another value."""
+
+    class BranchingBlock(_ScaledBlock):
+        def forward(self, x):
+            x = self.linear(x)
+            return x * self.extra if self.use_extra else x
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _ScaledModel(n_blocks=4)
+        model.blocks = nn.ModuleList(BranchingBlock() for _ in range(4))
+        for block, (use_extra, extra) in zip(model.blocks, [(False, 1.0), (True, 2.0), (True, 2.0), (True, 3.0)]):
+            block.use_extra, block.extra = use_extra, extra
+        _shard_blocks_and_root(model)
+        inputs = torch.randn(4, 6)
+        output = torch.compile(model, backend=CapturingBackend(min_cut=True).backend, fullgraph=True)(inputs)
+        torch.testing.assert_close(output, model(inputs), rtol=0, atol=0)
+
+
 class _Scale:
     def __init__(self, value):
         self.value = value
