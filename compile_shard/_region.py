@@ -128,6 +128,7 @@ from torch._dynamo.variables.base import (
     ValueMutationExisting,
     ValueMutationNew,
 )
+from torch._dynamo.variables.tensor import TensorVariable
 
 from . import _attribute_writes
 from ._attribute_writes import PLAIN, WRITES_ATTR
@@ -530,6 +531,7 @@ def _written(side_effects: Any, contents: list[Any] | None, seen: set[int]) -> A
 
     Dynamo holds a new variable for each value written, so the key changes with each
     write, also a write into an object the trace created and stored in existing state.
+    A tensor holds no Python state a body reads: its variable is enough.
     """
     if contents is None:
         return next(_untracked_writes)
@@ -537,7 +539,7 @@ def _written(side_effects: Any, contents: list[Any] | None, seen: set[int]) -> A
     for value in contents:
         key.append(id(value))
         created = isinstance(getattr(value, "mutation_type", None), (ValueMutationNew, AttributeMutationNew))
-        if created and id(value) not in seen:
+        if created and not isinstance(value, TensorVariable) and id(value) not in seen:
             seen.add(id(value))
             key.append(_written(side_effects, _contents(side_effects, value), seen))
     return tuple(key)

@@ -782,6 +782,24 @@ def test_a_global_number_changed_between_steps_runs_the_blocks_inlined():
     assert not _region_calls(capture.forward_graphs[-1].graph)
 
 
+def test_a_tensor_the_caller_stores_before_the_blocks_keys_none_apart():
+    """A tensor written to existing state (FSDP2's kept parameters, a stored input) is a value, not a container."""
+
+    class StoringModel(_ScaledModel):
+        def forward(self, x):
+            self.last_input = x.detach()
+            return super().forward(x)
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = StoringModel(n_blocks=4)
+        _shard_blocks_and_root(model)
+        inputs = torch.randn(4, 6)
+        expected = model(inputs)
+        output = torch.compile(model, backend="aot_eager", fullgraph=True)(inputs)
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    assert _region_body_traces() == 1
+
+
 def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
     """Only state that existed before the trace counts as a write between blocks."""
 
