@@ -22,6 +22,7 @@ from ._region import (
     REGIONS_SUPPORTED,
     accepts_region_call,
     call_in_region,
+    enters_gathered_as_views,
     runs_hooks_inside,
     runs_inlined,
     updates_running_stats,
@@ -160,6 +161,7 @@ class FSDPState:
             and not runs_hooks_inside(self.module)
             and not updates_running_stats(self.module)
             and not runs_inlined(self.module)
+            and not enters_gathered_as_views(self.module)
         )
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:

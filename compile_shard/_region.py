@@ -639,6 +639,27 @@ def runs_hooks_inside(module: nn.Module) -> bool:
 
 
 @torch.compiler.assume_constant_result
+def enters_gathered_as_views(module: nn.Module) -> bool:
+    """Whether ``module``'s unsharded parameters enter the traced frame as views of one tensor; then it runs inlined.
+
+    The outermost sharded module gathers every group below it ([Note: traced unshard]);
+    where a graph break splits its forward, that gather runs in the graph before the
+    break, and the frame after it reads the unsharded parameters as its inputs: views
+    of one all-gather output, which torch 2.13 refuses as region arguments
+    ("Encountered aliasing during higher order op tracing"). Gathered inside the trace
+    they are outputs of its own ops, and kept from an earlier graph
+    (``set_reshard_after_backward(False)``) or by ``unshard()`` tensors of their own.
+    Read like ``_signature_hash``: the objects' real attributes, which the trace's own
+    gather does not set until its graph runs.
+    """
+    fsdp_params = module._compile_shard_state.group.fsdp_params
+    if fsdp_params[0].unsharded_param is None:
+        return False
+    storages = {fsdp_param.unsharded_local().untyped_storage().data_ptr() for fsdp_param in fsdp_params}
+    return len(storages) < len(fsdp_params)
+
+
+@torch.compiler.assume_constant_result
 def updates_running_stats(module: nn.Module) -> bool:
     """Whether a submodule of ``module`` updates batch-norm running statistics, which then runs inlined.
 

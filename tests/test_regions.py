@@ -571,6 +571,30 @@ def test_a_graph_break_inside_a_block_splits_the_step_as_without_regions():
     assert counters["graph_break"] and _region_body_traces() == 0
 
 
+def test_a_graph_break_after_the_blocks_runs_them_inlined_as_without_regions():
+    """The break splits the root's forward: the frame after its gather reads the unsharded parameters as inputs.
+
+    Those alias each other, which torch 2.13 refuses as region arguments
+    (``enters_gathered_as_views``), so the blocks run inlined there.
+    """
+
+    class BreakingModel(_ScaledModel):
+        def forward(self, x):
+            x = super().forward(x)
+            torch._dynamo.graph_break()
+            return x * 2
+
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = BreakingModel(n_blocks=4)
+        _shard_blocks_and_root(model)
+        inputs = torch.randn(4, 6)
+        expected = model(inputs)
+        with pytest.warns(ShardedGraphBreakWarning):
+            output = torch.compile(model, backend="aot_eager")(inputs)
+    torch.testing.assert_close(output, expected, rtol=0, atol=0)
+    assert counters["graph_break"]
+
+
 def test_a_block_whose_submodules_run_hooks_is_inlined():
     """A hook appending each block's output runs for every block, as in eager."""
     outputs = []
