@@ -39,35 +39,37 @@ keys that block apart. Keying on every plain attribute would key apart blocks th
 differ only in what no body reads (torchtitan's ``layer_id``, Hugging Face's
 ``layer_idx`` without a cache), each block traced anew. Which names the body reads is
 learned from its trace (``_learn_reads``): each read is a guard whose source names the
-attribute. The first block of a signature runs inlined ([Note: the first block of
-each kind runs inlined]) and shows what the forward reads; a body read on another
-key's path adds to it; the names are kept per signature. Which attributes to
-read is found per trace (``_plain_attributes``), ``_compile_shard_writes`` always
-among them: the count of the writes these reads miss (an attribute added or deleted,
-an object or a submodule replaced), [Note: a block's attribute writes are counted] in
-``_attribute_writes``.
+attribute. The first block of each key runs inlined ([Note: the first block of each
+key runs inlined]) and shows what the forward reads on its path; the names are kept
+per signature. Which attributes to read is found per trace (``_plain_attributes``),
+``_compile_shard_writes`` always among them: the count of the writes these reads miss
+(an attribute added or deleted, an object or a submodule replaced), [Note: a block's
+attribute writes are counted] in ``_attribute_writes``.
 
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
 which a region body cannot take from its caller ("Freevar has no source"). That
 block then runs inlined, like a call with symbolic sizes (``accepts_region_call``).
 
-[Note: the first block of each kind runs inlined]
-In each trace, the first block of each signature runs its forward inlined, and only
-the later ones call the shared region (``_first_of_its_signature``). Three things
+[Note: the first block of each key runs inlined]
+In each trace, the first block of each reuse key runs its forward inlined, and only
+the later ones with that key call the shared region (``_first_of_its_key``), so a
+region body is traced only on a path an inlined block took before it. Three things
 follow. What the inlined forward read tells the later blocks' keys what to read, so
-one body is traced per key, not one more for a first block keyed on nothing. A graph
-break in the forward happens where Dynamo can split the graph, as without regions:
-inside a region torch 2.13 raises ``UncapturedHigherOrderOpError`` instead, and
-without nested graph breaks Dynamo resumes after the block's call, where the next
-block is the first of the new trace. And the first block's backward is ordinary ops
-again: its weight gradients, and so its reduce-scatter, come before the matmuls for
-its input gradient, which hide that reduce-scatter, where a region returns both
-gradients together and leaves only the embedding's backward to hide it (the
-simulated schedules are in docs/benchmarks.md). The cost is one block's ops in the
-outer graph for Inductor to lower. A symbolic number the inlined block read would
-reach the later bodies from the caller's graph, which torch 2.13 cannot take: those
-blocks run inlined (``_learn_from_first_block``).
+one body is traced per key, and a body never reads what its key does not: a block
+that reads other attributes on its path has another key, and runs inlined first. A
+graph break in any block's forward happens where Dynamo can split the graph, as
+without regions: inside a region torch 2.13 raises ``UncapturedHigherOrderOpError``
+instead, and without nested graph breaks Dynamo resumes after the block's call, where
+the next block is the first of the new trace. And the first block's backward is
+ordinary ops again: its weight gradients, and so its reduce-scatter, come before the
+matmuls for its input gradient, which hide that reduce-scatter, where a region returns
+both gradients together and leaves only the embedding's backward to hide it (the
+simulated schedules are in docs/benchmarks.md). The cost is one block's ops per key in
+the outer graph for Inductor to lower; blocks whose keys all differ (a ``scale`` per
+layer that the forward reads) all run inlined, as without regions. A symbolic number
+the inlined block read would reach the later bodies from the caller's graph, which
+torch 2.13 cannot take: those blocks run inlined (``_learn_from_first_block``).
 
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
@@ -75,18 +77,15 @@ block its body was traced from and none of its Python. A forward that writes sta
 outside the region (an auxiliary loss stored on its module, a global counter, a list
 it appends to) would write it for one block only; torch 2.13 does not refuse such a region
 when a ``reuse_hash_fn`` keys it (a global incremented in the body ran once for three
-calls, measured). So the traced body reads Dynamo's record of the first write the
-block's forward made to anything it did not create (``side_effect_stack``, which
-Dynamo keeps per subgraph tracer; the region's own parameter writes are cleared from
-it first), and a forward that wrote, or that returns anything but tensors (which a
-subgraph cannot return), does not get a region: its signature is added to
-``_INLINED_SIGNATURES``, a ``RegionInlinedWarning`` names the module and the write,
-and Dynamo restarts the frame's analysis, in which every block with that signature
-runs inlined and its Python runs for each block, as without regions. Only the body's
-first trace is checked; the blocks that reuse it run the same code. A write made
-inside a higher-order op nested in the forward (the user's own
-``nested_compile_region``) is recorded on that op's tracer and not warned about; it
-still keys the later blocks apart ([Note: writes between blocks key them apart]).
+calls, measured). A region body is traced only after the first block of its key ran
+inlined ([Note: the first block of each key runs inlined]), so that block shows
+whether a region could replay the forward: where it wrote state it did not create
+(``_writes_so_far()`` changed across its forward), returned anything but tensors
+(which a subgraph cannot return), or read a symbolic number, its signature is added
+to ``_INLINED_SIGNATURES``, a ``RegionInlinedWarning`` names the module and the
+reason at the forward's first line, and every later block with that signature runs
+inlined, its Python run for each block, as without regions. The later blocks of the
+key take the same path, so they write nothing either.
 
 [Note: writes between blocks key them apart]
 A body reads state outside the block (a global, a shared dict) as a constant of the
@@ -112,7 +111,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import os
 import sys
 import warnings
 import weakref
@@ -120,7 +118,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch._dynamo.exc import RestartAnalysis
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.base import (
     AttributeMutationExisting,
@@ -130,7 +127,6 @@ from torch._dynamo.variables.base import (
 )
 from torch._dynamo.variables.tensor import TensorVariable
 
-from . import _attribute_writes
 from ._attribute_writes import PLAIN, WRITES_ATTR
 from ._param import FSDPParam
 
@@ -266,13 +262,28 @@ def _signature_hash(module: nn.Module) -> int:
     return hash(block_signature(module))
 
 
-def _reuse_key(module: nn.Module, attributes: int, num_params: int, layout: str, *flat: Any) -> int:
-    """Traced by Dynamo for every call; equal keys reuse one subgraph."""
+def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int | None:
+    """Traced by Dynamo for every call; equal keys reuse one subgraph. None where a number read is symbolic.
+
+    ``writes``: ``_writes_so_far()`` before the block's call. The plain attributes
+    are read here, in the outer trace: each read is a guard on the value ([Note:
+    region keys are guarded]).
+    """
+    state = module._compile_shard_state
+    attribute_names, numbers = _plain_attributes(module)
+    values = tuple(
+        getattr(submodule, name)
+        for submodule, module_names in zip(state.region_modules, attribute_names)
+        for name in module_names
+    )
+    if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
+        return None
     device_type = flat[0].device.type  # an unsharded parameter
     return hash(
         (
             _signature_hash(module),
-            attributes,
+            values,
+            writes,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             layout,
@@ -281,7 +292,12 @@ def _reuse_key(module: nn.Module, attributes: int, num_params: int, layout: str,
     )
 
 
-def _run_block(module: nn.Module, attributes: int, num_params: int, layout: str, *flat: Any) -> Any:
+def _given_key(module: nn.Module, key: int, num_params: int, layout: str, *flat: Any) -> int:
+    """The region's ``reuse_hash_fn``: ``call_in_region`` computed the key (``_block_key``)."""
+    return key
+
+
+def _run_block(module: nn.Module, key: int, num_params: int, layout: str, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again, as its own
@@ -289,20 +305,15 @@ def _run_block(module: nn.Module, attributes: int, num_params: int, layout: str,
     caller's graph. That write happens inside the region: Dynamo allows writes there,
     also when the block runs inside an activation-checkpoint region, which refuses any
     write.
-    ``attributes`` (the plain attributes the key reads, hashed) is there for the reuse key only.
+    ``key`` is there for the reuse key only.
     """
     state = module._compile_shard_state
     fsdp_params = state.group.fsdp_params
     unsharded_params, args, kwargs = _region_arguments(num_params, layout, flat)
     for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
         fsdp_param.show_unsharded(tensor)
-    _forget_side_effects()
     with _ambient_autocast(unsharded_params[0].device.type):
-        output = module._user_forward(*args, **kwargs)
-    items = output if isinstance(output, (tuple, list)) else (output,)
-    _inline_if_not_replayable(module, all(isinstance(item, torch.Tensor) for item in items))
-    _learn_from_body(module)
-    return output
+        return module._user_forward(*args, **kwargs)
 
 
 def _ambient_autocast(device_type: str) -> contextlib.AbstractContextManager:
@@ -328,57 +339,19 @@ class RegionInlinedWarning(UserWarning):
     """
 
 
-# A warning names the innermost frame of the user's: outside torch, and outside the ``__setattr__`` that counts writes.
-_NOT_THE_USERS = (os.path.dirname(torch.__file__), _attribute_writes.__file__)
-
 #: ``_signature_hash`` of the blocks whose forward a shared region cannot replay.
 _INLINED_SIGNATURES: set[int] = set()
 
 
 def _subgraph_tracer() -> Any:
-    """The tracer of the region body Dynamo is tracing now."""
+    """The tracer of the graph Dynamo is tracing now (a region body's, a checkpoint's, or the frame's)."""
     return InstructionTranslator.current_tx().output.current_tracer
-
-
-@torch.compiler.assume_constant_result
-def _forget_side_effects() -> int:
-    """Clears the body's record of side effects: what the block's forward writes is recorded anew."""
-    _subgraph_tracer().side_effect_stack = None
-    return 0
 
 
 def _user_forward_line(module: nn.Module) -> tuple[str, int]:
     """Where the user's forward of a sharded block starts: fully_shard made its class FSDP<Class>(FSDPModule, Class)."""
     code = type(module).__bases__[1].forward.__code__
     return code.co_filename, code.co_firstlineno
-
-
-@torch.compiler.assume_constant_result
-def _inline_if_not_replayable(module: nn.Module, returns_tensors_only: bool) -> int:
-    """Restarts Dynamo's analysis with ``module``'s blocks inlined if a region cannot replay its forward."""
-    tracer = _subgraph_tracer()
-    written_at = tracer.side_effect_stack
-    outer = _symbolic_numbers(tracer.parent)
-    symbolic = next((outer[proxy.node] for proxy in tracer.lifted_freevars if proxy.node in outer), None)
-    if symbolic is not None:
-        filename, lineno = _user_forward_line(module)
-        reason = _symbolic_reason(symbolic)
-    elif written_at is not None:
-        frame = next((f for f in reversed(written_at) if not f.filename.startswith(_NOT_THE_USERS)), written_at[-1])
-        filename, lineno = frame.filename, frame.lineno or 0
-        reason = (
-            f"writes state it did not create ({frame.name} at {frame.line!r}), which a shared compile region "
-            f"would write for the first such block only"
-        )
-    elif not returns_tensors_only:
-        filename, lineno = _user_forward_line(module)
-        reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
-    else:
-        return 0
-    _inline_blocks_like(module, reason, filename, lineno)
-    tx = InstructionTranslator.current_tx()
-    tx.speculation_log.clear()  # the new analysis takes another path from here on
-    raise RestartAnalysis(restart_reason="compile_shard: a block's forward a shared region cannot replay")
 
 
 def _symbolic_reason(name: str) -> str:
@@ -417,13 +390,6 @@ def _guarded_names(guards: Any) -> set[str]:
     return names
 
 
-@torch.compiler.assume_constant_result
-def _learn_from_body(module: nn.Module) -> int:
-    """What a body read that the first block did not (another key's path) keys later blocks too."""
-    _learn_reads(module)
-    return 0
-
-
 def _learn_reads(module: nn.Module) -> None:
     """Adds the plain attributes read so far to what the keys of blocks like ``module`` read.
 
@@ -442,22 +408,21 @@ def _learn_reads(module: nn.Module) -> None:
     _READ_NAMES[signature] = _READ_NAMES.get(signature, frozenset()) | (plain & guarded)
 
 
-#: The trace (Dynamo's output graph, which is not hashable) and the signatures whose first block it has run.
-_traced_signatures: tuple[weakref.ref | None, set[int]] = (None, set())
+#: The trace (Dynamo's output graph, which is not hashable) and the keys whose first block it has run.
+_traced_keys: tuple[weakref.ref | None, set[int]] = (None, set())
 
 
 @torch.compiler.assume_constant_result
-def _first_of_its_signature(module: nn.Module) -> bool:
-    """Whether this trace has not run a block like ``module`` yet; from now on it has."""
-    global _traced_signatures
+def _first_of_its_key(key: int) -> bool:
+    """Whether this trace has not run a block with this key yet; from now on it has."""
+    global _traced_keys
     output = InstructionTranslator.current_tx().output
-    trace, seen = _traced_signatures
+    trace, seen = _traced_keys
     if trace is None or trace() is not output:
-        _traced_signatures = trace, seen = weakref.ref(output), set()
-    signature = _signature_hash(module)
-    if signature in seen:
+        _traced_keys = trace, seen = weakref.ref(output), set()
+    if key in seen:
         return False
-    seen.add(signature)
+    seen.add(key)
     return True
 
 
@@ -494,21 +459,37 @@ def _node_count() -> int:
 
 
 @torch.compiler.assume_constant_result
-def _learn_from_first_block(module: nn.Module, nodes_before: int) -> int:
-    """After the inlined first block of its signature: what later keys read, and whether regions can take it.
+def _learn_from_first_block(module: nn.Module, nodes_before: int, wrote: bool, returns_tensors_only: bool) -> int:
+    """After the inlined first block of its key: what later keys read, and whether a region can replay its forward.
 
-    A symbolic number it read (a node made since ``nodes_before`` reads one) would
-    reach the later blocks' region bodies from the caller's graph, which torch 2.13
-    cannot take ([Note: region keys are guarded]): blocks like it run inlined.
+    It cannot ([Note: a reused region replays no Python side effects]) where the forward
+    wrote state it did not create (``wrote``), returned anything but tensors, or read a
+    symbolic number (a node made since ``nodes_before`` reads one), which would reach
+    the later blocks' region bodies from the caller's graph, which torch 2.13 cannot
+    take ([Note: region keys are guarded]): blocks like it then run inlined.
     """
     _learn_reads(module)
     tracer = _subgraph_tracer()
     numbers = _symbolic_numbers(tracer)
-    for node in itertools.islice(tracer.graph.nodes, nodes_before, None):
-        name = next((numbers[arg] for arg in node.all_input_nodes if arg in numbers), None)
-        if name is not None:
-            _inline_blocks_like(module, _symbolic_reason(name), *_user_forward_line(module))
-            break
+    symbolic = (
+        numbers[arg]
+        for node in itertools.islice(tracer.graph.nodes, nodes_before, None)
+        for arg in node.all_input_nodes
+        if arg in numbers
+    )
+    name = next(symbolic, None)
+    if name is not None:
+        reason = _symbolic_reason(name)
+    elif wrote:
+        reason = (
+            "writes state it did not create (an attribute of an existing object, a global, a container), which "
+            "a shared compile region would write for the first such block only"
+        )
+    elif not returns_tensors_only:
+        reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
+    else:
+        return 0
+    _inline_blocks_like(module, reason, *_user_forward_line(module))
     return 0
 
 
@@ -586,7 +567,7 @@ def runs_inlined(module: nn.Module) -> bool:
 # block reads, which may differ in every block (a ``scale`` per layer read by its
 # forward): each new key traces a body of its own, as inlining traces each block.
 _block_region = (
-    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_reuse_key, max_reuse_entries=sys.maxsize)
+    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_given_key, max_reuse_entries=sys.maxsize)
     if REGIONS_SUPPORTED
     else None
 )
@@ -701,8 +682,9 @@ def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], t
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Runs the sharded ``module``'s forward inside the shared region, during a trace.
 
-    Or inlined, where one of its modules' numbers has become symbolic ([Note: region
-    keys are guarded]).
+    Or inlined: the first block of its key in this trace ([Note: the first block of
+    each key runs inlined]), or where one of its modules' numbers has become symbolic
+    ([Note: region keys are guarded]).
     """
     state = module._compile_shard_state
     # The region shows its arguments to the modules itself (``_run_block``), a
@@ -712,20 +694,21 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     positional, arg_leaves = _flatten(list(args))
     named, value_leaves = _flatten([kwargs[name] for name in names])
     flat = (*unsharded_params, *arg_leaves, *names, *value_leaves)
-    attribute_names, numbers = _plain_attributes(module)
-    # Each read is a guard on the value: [Note: region keys are guarded].
-    values = tuple(
-        getattr(submodule, name)
-        for submodule, module_names in zip(state.region_modules, attribute_names)
-        for name in module_names
-    )
-    if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
+    layout = f"{positional}|{named}"
+    writes = _writes_so_far()
+    key = _block_key(module, writes, layout, flat)
+    if key is None:
         return module._user_forward(*args, **kwargs)
-    if _first_of_its_signature(module):
+    if _first_of_its_key(key):
         nodes_before = _node_count()
         output = module._user_forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # not where a graph break in the forward resumed uncompiled
-            _learn_from_first_block(module, nodes_before)
+            items = output if isinstance(output, (tuple, list)) else (output,)
+            returns_tensors_only = all(isinstance(item, torch.Tensor) for item in items)
+            _learn_from_first_block(module, nodes_before, _writes_so_far() != writes, returns_tensors_only)
+            # The key of a later block like this one reads what this forward read: not first either.
+            learned = _block_key(module, writes, layout, flat)
+            if learned is not None:
+                _first_of_its_key(learned)
         return output
-    key = hash((values, _writes_so_far()))
-    return _block_region(module, key, len(unsharded_params), f"{positional}|{named}", *flat)
+    return _block_region(module, key, len(unsharded_params), layout, *flat)
