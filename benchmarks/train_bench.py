@@ -54,6 +54,11 @@ Figures are printed with their ratio to ``fsdp2_eager``; ``--json`` writes every
 ``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
 backward (FSDP2's ``reshard_after_forward=False``): one all-gather per block and step
 instead of two, DDP's bytes per step.
+``--adaptive-mmap-threshold`` leaves glibc's mmap threshold as a user's process has it:
+a freed large tensor's memory is then reused for the next one, where the fixed
+threshold maps fresh pages for every large tensor (about a quarter of config B's step
+in page faults on this CPU). Step times then follow what a CPU user runs; the memory
+figures do not follow live tensors and are not comparable with the default's.
 ``--mp bf16`` trains every mode in FSDP2's usual mixed precision, bf16 parameters and
 compute with fp32 reductions: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` on every ``fully_shard`` call of both FSDP
@@ -431,8 +436,9 @@ class MemoryProbe:
     allocator's allocated bytes.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, fixed_mmap_threshold: bool = True):
         self.cuda = device.type == "cuda"
+        self.fixed_mmap_threshold = fixed_mmap_threshold
         self.after_build_bytes: int | None = None
         self.before_steps_bytes: int | None = None
         self.peak_before_steps = 0
@@ -482,10 +488,14 @@ class MemoryProbe:
                 "peak: torch.cuda.max_memory_allocated minus memory_allocated after building the model; "
                 "step peak: the same over the timed steps minus memory_allocated before them"
             )
+        threshold = (
+            f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) at process start"
+            if self.fixed_mmap_threshold
+            else "glibc's adaptive mmap threshold (the RSS keeps freed heap memory)"
+        )
         return (
-            f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) at process start; peak: ru_maxrss minus the RSS "
-            "after building the model; step peak: VmHWM over the timed steps (reset through /proc/self/clear_refs "
-            "after warm-up) minus the RSS before them"
+            f"{threshold}; peak: ru_maxrss minus the RSS after building the model; step peak: VmHWM over the "
+            "timed steps (reset through /proc/self/clear_refs after warm-up) minus the RSS before them"
         )
 
 
@@ -514,6 +524,7 @@ class Plan:
     result_path: str
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
+    fixed_mmap_threshold: bool = True
 
 
 def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -675,7 +686,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     runnable = mode.build(model, ctx)
     if mode.compiled:
         recorder.attach()
-    memory = MemoryProbe(device)
+    memory = MemoryProbe(device, plan.fixed_mmap_threshold)
     memory.mark_built()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, times, cpu = _timed_steps(
@@ -774,7 +785,7 @@ def _gather_to_rank0(result: dict, plan: Plan, store: dist.Store | None) -> list
 
 def _mode_worker(index: int, plan: Plan, first_rank: int) -> None:
     """Entry point of one fresh process: one rank of one mode."""
-    mallopt_applied = _freeze_mmap_threshold()
+    mallopt_applied = plan.fixed_mmap_threshold and _freeze_mmap_threshold()
     torch.set_num_threads(plan.threads)
     with tempfile.TemporaryDirectory(prefix="train_bench_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # an empty cache: the cold step compiles from scratch
@@ -980,6 +991,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
         default="fp32",
         help="bf16: FSDP2's mixed precision (bf16 parameters and compute, fp32 reductions) in every mode",
     )
+    parser.add_argument(
+        "--adaptive-mmap-threshold",
+        dest="fixed_mmap_threshold",
+        action="store_false",
+        help="CPU: leave glibc's mmap threshold adaptive (time steps as a user's process runs them; memory figures "
+        "then include freed heap memory)",
+    )
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
     fake = _uses_fake_group(args)
@@ -1050,6 +1068,7 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "cost_profile": args.cost_profile if fake else None,
         "reshard_after_forward": args.reshard_after_forward,
         "mixed_precision": args.mp,
+        "fixed_mmap_threshold": args.fixed_mmap_threshold,
         "threads_per_process": threads,
         "torch": torch.__version__,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
@@ -1077,6 +1096,7 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
                 result_path=str(Path(scratch) / f"{name}.json"),
                 reshard_after_forward=args.reshard_after_forward,
                 param_dtype=torch.bfloat16 if args.mp == "bf16" else None,
+                fixed_mmap_threshold=args.fixed_mmap_threshold,
             )
             start = time.perf_counter()
             results[name] = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)
