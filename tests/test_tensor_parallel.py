@@ -161,7 +161,9 @@ class _SPMDBlock(torch.nn.Module):
 class _SPMDModel(torch.nn.Module):
     def __init__(self, dim: int = 8, hidden: int = 12):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_SPMDBlock(dim, hidden) for _ in range(2))
+        # Three blocks: the first takes the input, which needs no gradient, and runs inlined, the first of
+        # its key; the later two share a region ([Note: the first block of each key runs inlined]).
+        self.blocks = torch.nn.ModuleList(_SPMDBlock(dim, hidden) for _ in range(3))
         self.norm = torch.nn.LayerNorm(dim)
 
     def forward(self, x):
