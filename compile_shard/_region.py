@@ -564,8 +564,9 @@ def runs_inlined(module: nn.Module) -> bool:
 
 # torch caps the distinct keys of one function in a trace (8 by default) and raises past
 # the cap, which is there to catch guards that fail at every call. A key here is what the
-# block reads, which may differ in every block (a ``scale`` per layer read by its
-# forward): each new key traces a body of its own, as inlining traces each block.
+# block reads, which may differ from block to block (a ``scale`` per pair of layers read
+# by its forward): each key that a second block uses traces a body of its own, as
+# inlining traces each block.
 _block_region = (
     torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_given_key, max_reuse_entries=sys.maxsize)
     if REGIONS_SUPPORTED
