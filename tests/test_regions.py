@@ -554,74 +554,51 @@ def test_writes_the_guards_see_are_not_counted():
     assert block.activation.__dict__[WRITES_ATTR] == 1
 
 
-def test_a_graph_break_inside_a_block_splits_the_step_as_without_regions():
-    """The first block of a kind runs inlined, where Dynamo breaks the graph as usual, and so does every block.
+class _BreakingBlock(_ScaledBlock):
+    def forward(self, x):
+        x = self.linear(x)
+        if self.breaks:
+            torch._dynamo.graph_break()
+        return x * self.scale
+
+
+class _ModelBreakingAfterTheBlocks(_ScaledModel):
+    def forward(self, x):
+        x = super().forward(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def _model_with_a_graph_break(where: str) -> nn.Module:
+    if where == "after_the_blocks":
+        return _ModelBreakingAfterTheBlocks(n_blocks=4)
+    model = _ScaledModel()
+    breaks = [True] * 3 if where == "in_every_block" else [False, False, False, True, True]
+    model.blocks = nn.ModuleList(_BreakingBlock() for _ in breaks)
+    for block, value in zip(model.blocks, breaks):
+        block.breaks = value
+    return model
+
+
+@pytest.mark.parametrize(
+    "where, region_bodies",
+    [("in_every_block", 0), ("on_a_later_blocks_path", 1), ("after_the_blocks", None)],
+)
+def test_a_graph_break_splits_the_step_as_without_regions(where, region_bodies):
+    """Each break happens where Dynamo can split the step, never inside a region.
 
     torch 2.13 cannot break a graph inside a region (``UncapturedHigherOrderOpError``).
+    ``in_every_block``: the first block runs inlined and breaks, as does every later
+    one. ``on_a_later_blocks_path``: blocks 0 to 2 skip the branch that breaks, blocks 3
+    and 4 take it; block 3 has a key of its own, so it runs inlined, the first of its
+    key ([Note: the first block of each key runs inlined]), and blocks 1 and 2 share a
+    region. ``after_the_blocks``: the break splits the root's forward, and the frame
+    after its gather reads the unsharded parameters as inputs, which alias each other
+    and so cannot be region arguments (``enters_gathered_as_views``): the blocks run
+    inlined there.
     """
-
-    class BreakingBlock(_ScaledBlock):
-        def forward(self, x):
-            x = self.linear(x)
-            torch._dynamo.graph_break()
-            return x * self.scale
-
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
-        model = _ScaledModel()
-        model.blocks = nn.ModuleList(BreakingBlock() for _ in range(3))
-        _shard_blocks_and_root(model)
-        inputs = torch.randn(4, 6)
-        expected = model(inputs)
-        with pytest.warns(ShardedGraphBreakWarning):
-            output = torch.compile(model, backend="aot_eager")(inputs)
-    torch.testing.assert_close(output, expected, rtol=0, atol=0)
-    assert counters["graph_break"] and _region_body_traces() == 0
-
-
-def test_a_graph_break_on_a_later_blocks_path_splits_the_step_as_without_regions():
-    """Blocks 0 to 2 skip the branch that breaks the graph; blocks 3 and 4 take it.
-
-    Block 3 has a key of its own, so it runs inlined, the first of its key, and breaks
-    the graph there ([Note: the first block of each key runs inlined]); inside a
-    region torch 2.13 would fail the compile (``UncapturedHigherOrderOpError``).
-    """
-
-    class BranchBreakingBlock(_ScaledBlock):
-        def forward(self, x):
-            x = self.linear(x)
-            if self.breaks:
-                torch._dynamo.graph_break()
-            return x * self.scale
-
-    with FakeProcessGroup(2), pass_settings(compile_regions=True):
-        model = _ScaledModel()
-        model.blocks = nn.ModuleList(BranchBreakingBlock() for _ in range(5))
-        for block, breaks in zip(model.blocks, [False, False, False, True, True]):
-            block.breaks = breaks
-        _shard_blocks_and_root(model)
-        inputs = torch.randn(4, 6)
-        expected = model(inputs)
-        with pytest.warns(ShardedGraphBreakWarning):
-            output = torch.compile(model, backend="aot_eager")(inputs)
-    torch.testing.assert_close(output, expected, rtol=0, atol=0)
-    assert counters["graph_break"] and _region_body_traces() == 1  # blocks 1 and 2 share a region
-
-
-def test_a_graph_break_after_the_blocks_runs_them_inlined_as_without_regions():
-    """The break splits the root's forward: the frame after its gather reads the unsharded parameters as inputs.
-
-    Those alias each other, which torch 2.13 refuses as region arguments
-    (``enters_gathered_as_views``), so the blocks run inlined there.
-    """
-
-    class BreakingModel(_ScaledModel):
-        def forward(self, x):
-            x = super().forward(x)
-            torch._dynamo.graph_break()
-            return x * 2
-
-    with FakeProcessGroup(2), pass_settings(compile_regions=True):
-        model = BreakingModel(n_blocks=4)
+        model = _model_with_a_graph_break(where)
         _shard_blocks_and_root(model)
         inputs = torch.randn(4, 6)
         expected = model(inputs)
@@ -629,6 +606,8 @@ def test_a_graph_break_after_the_blocks_runs_them_inlined_as_without_regions():
             output = torch.compile(model, backend="aot_eager")(inputs)
     torch.testing.assert_close(output, expected, rtol=0, atol=0)
     assert counters["graph_break"]
+    if region_bodies is not None:
+        assert _region_body_traces() == region_bodies
 
 
 def test_a_block_whose_submodules_run_hooks_is_inlined():
