@@ -354,13 +354,6 @@ def _user_forward_line(module: nn.Module) -> tuple[str, int]:
     return code.co_filename, code.co_firstlineno
 
 
-def _symbolic_reason(name: str) -> str:
-    return (
-        f"reads {name}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
-        f"shared compile region; pass it to the block as a tensor to keep the region"
-    )
-
-
 def _inline_blocks_like(module: nn.Module, reason: str, filename: str, lineno: int) -> None:
     """From now on blocks with ``module``'s signature run inlined; warned at the user's line, not Dynamo's."""
     _INLINED_SIGNATURES.add(_signature_hash(module))
@@ -479,7 +472,10 @@ def _learn_from_first_block(module: nn.Module, nodes_before: int, wrote: bool, r
     )
     name = next(symbolic, None)
     if name is not None:
-        reason = _symbolic_reason(name)
+        reason = (
+            f"reads {name}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
+            f"shared compile region; pass it to the block as a tensor to keep the region"
+        )
     elif wrote:
         reason = (
             "writes state it did not create (an attribute of an existing object, a global, a container), which "
