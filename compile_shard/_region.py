@@ -109,6 +109,7 @@ region keeps from saving the parameters.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import sys
@@ -142,9 +143,17 @@ REGIONS_SUPPORTED = _nested_region_takes_reuse_key()
 
 
 def _plain_value(value: Any) -> Any:
-    """``value`` itself if plain, containers item by item (a hook dict by its hooks), else its identity."""
+    """``value`` itself if plain, containers item by item (a hook dict by its hooks), else its identity.
+
+    A ``functools.partial`` by its function and arguments: ``checkpoint_wrapper`` gives
+    each block its own ``partial(checkpoint, use_reentrant=False, ...)``, which calls
+    the same function with the same arguments in every block.
+    """
     if isinstance(value, PLAIN):
         return value
+    if isinstance(value, functools.partial):
+        keywords = tuple((name, _plain_value(item)) for name, item in value.keywords.items())
+        return ("partial", _plain_value(value.func), _plain_value(value.args), keywords)
     if isinstance(value, (tuple, list)):
         return tuple(_plain_value(item) for item in value)
     if isinstance(value, (set, frozenset)):
@@ -161,6 +170,22 @@ def _base_class(module: nn.Module) -> type:
     return cls
 
 
+# Left out of a block's signature: the tensors and submodules, which it lists itself,
+# and the state-dict hooks, which no forward runs (``checkpoint_wrapper`` registers
+# a bound method of each wrapper).
+_NOT_SIGNED = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
+
+
 def block_signature(module: nn.Module) -> tuple:
     """What must be equal for two blocks to share one compiled region (``_signature_hash`` hashes it).
 
@@ -170,7 +195,6 @@ def block_signature(module: nn.Module) -> tuple:
     ``eps``, a ``layer_id``) are left out: ``call_in_region`` reads those the body's
     traces read, where Dynamo guards on them ([Note: region keys are guarded]).
     """
-    skipped = {"_parameters", "_buffers", "_modules"}
     signature = []
     for name, submodule in module.named_modules():
         cls = _base_class(submodule)
@@ -183,7 +207,7 @@ def block_signature(module: nn.Module) -> tuple:
         attributes = tuple(
             (key, _plain_value(value))
             for key, value in sorted(submodule.__dict__.items())
-            if key not in skipped and not key.startswith("_compile_shard") and not isinstance(value, PLAIN)
+            if key not in _NOT_SIGNED and not key.startswith("_compile_shard") and not isinstance(value, PLAIN)
         )
         signature.append((name, cls.__module__, cls.__qualname__, tensors, attributes))
     return tuple(signature)

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.utils import compilation_time_metrics, counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from compile_shard import MixedPrecisionPolicy, RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
@@ -32,7 +33,7 @@ pytestmark = [
 ]
 
 N_LAYERS = 3
-# The first block of each kind runs inlined ([Note: the first block of each kind runs inlined]).
+# The first block of each key runs inlined ([Note: the first block of each key runs inlined]).
 REGION_BLOCKS = N_LAYERS - 1
 invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 
@@ -179,6 +180,8 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
     for _ in range(2):
         torch.manual_seed(0)
         model = Llama(config)
+        if setting == "checkpoint_wrapper":  # torchtitan's recipe: each its own partial(checkpoint, ...)
+            model.layers = nn.ModuleList(checkpoint_wrapper(block) for block in model.layers)
         for block in model.layers:
             fully_shard(block, **shard_kwargs.get(setting, {}))
         models.append(fully_shard(model, **shard_kwargs.get(setting, {})))
@@ -207,10 +210,12 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
     assert _region_body_traces() >= 1  # the blocks ran as regions, not inlined
 
 
-@pytest.mark.parametrize("setting", ["bf16_policy", "autocast", "not_resharded", "keeping_unsharded"])
+@pytest.mark.parametrize(
+    "setting", ["bf16_policy", "autocast", "not_resharded", "keeping_unsharded", "checkpoint_wrapper"]
+)
 def test_regions_with_fsdp2_settings_match_eager_on_gloo(setting):
     """Regions with a bf16 policy, under autocast (the region saves its weights' bf16 copies), blocks kept
-    gathered, or parameters kept over micro-batches: bitwise eager."""
+    gathered, parameters kept over micro-batches, or blocks in ``checkpoint_wrapper``: bitwise eager."""
     run_gloo(_regions_with_a_setting_match_eager, 3, setting)
 
 
