@@ -25,7 +25,6 @@ from ._region import (
     enters_gathered_as_views,
     runs_hooks_inside,
     runs_inlined,
-    updates_running_stats,
 )
 from .passes import install
 from .passes.settings import settings
@@ -159,7 +158,6 @@ class FSDPState:
             and self.group.world_size > 1
             and accepts_region_call(args, kwargs)
             and not runs_hooks_inside(self.module)
-            and not updates_running_stats(self.module)
             and not runs_inlined(self.module)
             and not enters_gathered_as_views(self.module)
         )

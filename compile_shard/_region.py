@@ -81,7 +81,9 @@ calls, measured). A region body is traced only after the first block of its key 
 inlined ([Note: the first block of each key runs inlined]), so that block shows
 whether a region could replay the forward: where it wrote state it did not create
 (``_writes_so_far()`` changed across its forward), returned anything but tensors
-(which a subgraph cannot return), or read a symbolic number, its signature is added
+(which a subgraph cannot return), read a symbolic number, or wrote in place to a
+tensor it did not create (a buffer; torch 2.13 refuses to train through a region
+that does, ``_written_in_place``), its signature is added
 to ``_INLINED_SIGNATURES``, a ``RegionInlinedWarning`` names the module and the
 reason at the forward's first line, and every later block with that signature runs
 inlined, its Python run for each block, as without regions. The later blocks of the
@@ -115,9 +117,11 @@ import itertools
 import sys
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.base import (
@@ -469,24 +473,59 @@ def _symbolic_numbers(tracer: Any) -> dict[Any, str]:
     return numbers
 
 
-@torch.compiler.assume_constant_result
-def _node_count() -> int:
-    """How many nodes the graph being traced holds."""
-    return len(_subgraph_tracer().graph.nodes)
+#: Per ``_start_first_block``: the graph's node count then, and every tensor's version.
+_block_starts: dict[int, tuple[int, dict[fx.Node, int]]] = {}
+_start_numbers = itertools.count()
 
 
 @torch.compiler.assume_constant_result
-def _learn_from_first_block(module: nn.Module, nodes_before: int, wrote: bool, returns_tensors_only: bool) -> int:
+def _start_first_block() -> int:
+    """Notes the graph being traced before a first block's forward, for ``_learn_from_first_block``."""
+    graph = _subgraph_tracer().graph
+    versions = {node: value._version for node, value in _example_tensors(graph)}
+    start = next(_start_numbers)
+    _block_starts[start] = (len(graph.nodes), versions)
+    return start
+
+
+def _example_tensors(graph: fx.Graph) -> Iterator[tuple[fx.Node, torch.Tensor]]:
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            yield node, value
+
+
+def _written_in_place(module: nn.Module, graph: fx.Graph, versions: dict[fx.Node, int]) -> str | None:
+    """What ``module``'s forward wrote in place that it did not create: its buffer by name, or "an input"; else None.
+
+    Dynamo runs each op on its fake example values, so an in-place op bumps the
+    version of the fake tensor it writes (and of its view's base). An input the
+    forward lifted into the graph (a buffer it read first) starts at version 0.
+    """
+    buffers = {id(buffer): name for name, buffer in module.named_buffers()}
+    for node, value in _example_tensors(graph):
+        before = versions.get(node, 0 if node.op == "placeholder" else None)
+        if before is not None and value._version != before:
+            real = getattr(node.meta.get("grapharg"), "example", None)
+            return f"its buffer `{buffers[id(real)]}`" if id(real) in buffers else "an input"
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_tensors_only: bool) -> int:
     """After the inlined first block of its key: what later keys read, and whether a region can replay its forward.
 
     It cannot ([Note: a reused region replays no Python side effects]) where the forward
     wrote state it did not create (``wrote``), returned anything but tensors, or read a
-    symbolic number (a node made since ``nodes_before`` reads one), which would reach
-    the later blocks' region bodies from the caller's graph, which torch 2.13 cannot
-    take ([Note: region keys are guarded]): blocks like it then run inlined.
+    symbolic number (a node made since ``start`` reads one), which would reach the
+    later blocks' region bodies from the caller's graph, which torch 2.13 cannot take
+    ([Note: region keys are guarded]); nor where it wrote in place to a tensor it did
+    not create (a buffer it updates, batch norm's running statistics), which torch
+    2.13 refuses to train through a region. Blocks like it then run inlined.
     """
     _learn_reads(module)
     tracer = _subgraph_tracer()
+    nodes_before, versions = _block_starts.pop(start)
     numbers = _symbolic_numbers(tracer)
     symbolic = (
         numbers[arg]
@@ -495,6 +534,7 @@ def _learn_from_first_block(module: nn.Module, nodes_before: int, wrote: bool, r
         if arg in numbers
     )
     name = next(symbolic, None)
+    written = _written_in_place(module, tracer.graph, versions)
     if name is not None:
         reason = (
             f"reads {name}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
@@ -504,6 +544,11 @@ def _learn_from_first_block(module: nn.Module, nodes_before: int, wrote: bool, r
         reason = (
             "writes state it did not create (an attribute of an existing object, a global, a container), which "
             "a shared compile region would write for the first such block only"
+        )
+    elif written is not None:
+        reason = (
+            f"writes in place to {written}, a tensor it did not create, which torch 2.13 cannot train through a "
+            f"shared compile region"
         )
     elif not returns_tensors_only:
         reason = "returns something other than a tensor or a tuple or list of tensors, which a compile region cannot"
@@ -662,22 +707,6 @@ def enters_gathered_as_views(module: nn.Module) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def updates_running_stats(module: nn.Module) -> bool:
-    """Whether a submodule of ``module`` updates batch-norm running statistics, which then runs inlined.
-
-    torch 2.13 refuses to train through a region that mutates a buffer in place
-    ("invoke_subgraph ... does not currently support training with in-place input or
-    buffer mutations"); inlined, the block trains as without regions. Read like
-    ``_signature_hash``; a later ``train()`` or ``eval()`` recompiles, as the inlined
-    trace or ``call_in_region`` reads ``training`` where Dynamo guards on it.
-    """
-    return any(
-        isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats and sub.training
-        for sub in module._compile_shard_state.region_modules
-    )
-
-
-@torch.compiler.assume_constant_result
 def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...]]:
     """Where the block's modules hold the plain values its key reads, found per trace.
 
@@ -721,12 +750,12 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     if key is None:
         return module._user_forward(*args, **kwargs)
     if _first_of_its_key(key):
-        nodes_before = _node_count()
+        start = _start_first_block()
         output = module._user_forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # not where a graph break in the forward resumed uncompiled
             items = output if isinstance(output, (tuple, list)) else (output,)
             returns_tensors_only = all(isinstance(item, torch.Tensor) for item in items)
-            _learn_from_first_block(module, nodes_before, _writes_so_far() != writes, returns_tensors_only)
+            _learn_from_first_block(module, start, _writes_so_far() != writes, returns_tensors_only)
             # The key of a later block like this one reads what this forward read: not first either.
             learned = _block_key(module, writes, layout, flat)
             if learned is not None:

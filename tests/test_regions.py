@@ -656,16 +656,47 @@ def test_one_blocks_eval_after_compiling_recompiles():
     assert recompiles() == 1
 
 
-def test_a_block_updating_batch_norm_statistics_is_inlined():
-    """torch refuses in-place buffer updates inside a region in training; inlined, the block trains."""
+class _InPlaceBlock(nn.Module):
+    """A block whose forward writes in place to a tensor it did not create: ``write`` says which."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.linear, self.write = nn.Linear(6, 6), write
+        self.norm = nn.BatchNorm1d(6) if write == "batch_norm" else nn.Identity()
+        self.register_buffer("tokens_seen", torch.zeros(6))
+
+    def forward(self, x):
+        if self.write == "buffer":  # torchtitan's MoE counts the tokens each expert got this way
+            with torch.no_grad():
+                self.tokens_seen.add_((x > 0).float().sum(0))
+        elif self.write == "input":
+            x.mul_(2)
+        return self.norm(self.linear(x))
+
+
+_IN_PLACE_FORWARD_LINE = _InPlaceBlock.forward.__code__.co_firstlineno
+
+
+@pytest.mark.parametrize("write", ["batch_norm", "buffer", "input"])
+def test_a_block_writing_in_place_to_a_tensor_it_did_not_create_is_inlined(write):
+    """torch 2.13 refuses to train through a region that writes its inputs or buffers in place; inlined, the
+    blocks train, each updating its own state."""
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model = _ScaledModel()
-        model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in range(3))
+        model.blocks = nn.ModuleList(_InPlaceBlock(write) for _ in range(3))
         _shard_blocks_and_root(model)
         capture = CapturingBackend(min_cut=True)
-        torch.compile(model, backend=capture.backend, fullgraph=True)(torch.randn(4, 6)).sum().backward()
+        with pytest.warns(RegionInlinedWarning, match="blocks.0 writes in place to") as warned:
+            torch.compile(model, backend=capture.backend, fullgraph=True)(torch.randn(4, 6)).sum().backward()
     assert not _region_calls(capture.forward_graphs[0].graph)
-    assert all(block[1].num_batches_tracked.item() == 1 for block in model.blocks)
+    (warning,) = warned
+    assert warning.lineno == _IN_PLACE_FORWARD_LINE
+    if write == "batch_norm":
+        assert "its buffer `norm.num_batches_tracked`" in str(warning.message)
+        assert all(block.norm.num_batches_tracked.item() == 1 for block in model.blocks)
+    if write == "buffer":
+        assert "its buffer `tokens_seen`" in str(warning.message)
+        assert all(block.tokens_seen.sum() > 0 for block in model.blocks)
 
 
 _WRITES = {"global": 0, "list": []}
