@@ -350,6 +350,62 @@ def test_keyword_arguments_reach_the_region_by_name_in_any_order():
     run_gloo(_keyword_arguments_worker, 2)
 
 
+class _RotatingBlock(nn.Module):
+    """Rotates pairs of features by complex factors, as torchtitan's Llama applies rotary embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x, freqs_cis):
+        pairs = torch.view_as_complex(self.linear(x).unflatten(-1, (3, 2)))
+        return x + torch.view_as_real(pairs * freqs_cis).flatten(-2)
+
+
+class _RotatingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_RotatingBlock() for _ in range(3))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(3), torch.arange(3.0)), persistent=False)
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x, self.freqs_cis)
+        return x
+
+
+def _complex_rotation_worker(rank, world_size):
+    settings.compile_regions = True
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_RotatingModel())
+        _shard_blocks_and_root(models[-1])
+    compiled = torch.compile(models[0], backend="aot_eager", fullgraph=True)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for step in range(3):
+        inputs = torch.randn(world_size * 4, 6, generator=torch.Generator().manual_seed(step))[4 * rank : 4 * rank + 4]
+        losses = []
+        for run, optimizer in zip((compiled, models[1]), optimizers):
+            loss = run(inputs).pow(2).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    for param, eager_param in zip(*(model.parameters() for model in models)):
+        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=0)
+    assert _region_body_traces() == 1
+
+
+def test_a_complex_product_in_the_blocks_trains_through_their_region():
+    """Its backward reads a conjugate view the region saved ([Note: conjugate views across a region's boundary]):
+    bitwise eager over 3 steps."""
+    run_gloo(_complex_rotation_worker, 2)
+
+
 class _ScaledBlock(nn.Module):
     def __init__(self):
         super().__init__()
