@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py --mode cs_compiled      # config B, 2 gloo ranks
     python benchmarks/profile_step.py --mode fsdp2_eager
     python benchmarks/profile_step.py --mode ddp_compiled --config A
-    python benchmarks/profile_step.py --mode cs_compiled_regions   # settings.compile_regions on
+    python benchmarks/profile_step.py --mode cs_compiled_inlined   # settings.compile_regions off
     python benchmarks/profile_step.py --mode cs_compiled --config A --no-reshard-after-forward
 
 Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
@@ -46,7 +46,7 @@ def _build(mode: str, config, reshard_after_forward: bool) -> torch.nn.Module:
     for block in model.layers:
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model)
-    compile_shard.passes.settings.compile_regions = mode == "cs_compiled_regions"
+    compile_shard.passes.settings.compile_regions = mode != "cs_compiled_inlined"
     return torch.compile(model) if mode.startswith("cs_compiled") else model
 
 
@@ -94,7 +94,7 @@ def _report(profiler, mode: str, top: int) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ("cs_compiled", "cs_compiled_regions", "cs_eager", "fsdp2_eager", "ddp_compiled")
+    modes = ("cs_compiled", "cs_compiled_inlined", "cs_eager", "fsdp2_eager", "ddp_compiled")
     parser.add_argument("--mode", choices=modes, default="cs_compiled")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)

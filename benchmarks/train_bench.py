@@ -12,11 +12,14 @@ unevenly) with AdamW on seeded random tokens, once per mode, every mode on the s
 batches, each mode in its own fresh processes, one mode after the other:
 
 - ``cs_eager``: compile_shard's ``fully_shard`` per block, then the root.
-- ``cs_compiled``: the same model under ``torch.compile`` with the full pass suite.
+- ``cs_compiled``: the same model under ``torch.compile`` with the default settings:
+  the full pass suite, each block traced as a nested compile region that the blocks
+  like it reuse (``settings.compile_regions``).
 - ``cs_compiled_no_overlap``: the same with the overlap passes (``bucket``, ``reorder``
   in ``compile_shard.passes.settings``) switched off, those that exist in this checkout.
-- ``cs_compiled_regions``: ``cs_compiled`` with ``settings.compile_regions``: each block
-  traced as a nested compile region that all blocks reuse (one block compiled).
+- ``cs_compiled_inlined``: ``cs_compiled`` with ``settings.compile_regions`` off: every
+  block inlined into the step's graph, the default until 2026-11-27 (results before
+  then call this mode ``cs_compiled`` and the regions ``cs_compiled_regions``).
 - ``fsdp2_eager``: ``torch.distributed.fsdp.fully_shard`` per block, then the root.
 - ``fsdp2_block_compiled``: torchtitan's recipe, ``block.compile(fullgraph=True)`` for
   each block, then FSDP2's ``fully_shard`` per block and the root.
@@ -252,7 +255,7 @@ class Mode:
     compiled: bool = False
     counted_in_graphs: bool = False
     overlap_off: bool = False
-    compile_regions: bool = False
+    compile_regions: bool = True
     #: DDP's reducer reads its all-reduce's result, which the fake process group does not
     #: produce (torch 2.11 and 2.13 assert in ``c10d/comm.cpp`` at the first backward).
     runs_on_fake_group: bool = True
@@ -262,7 +265,7 @@ MODES = {
     "cs_eager": Mode(_build_cs),
     "cs_compiled": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True),
     "cs_compiled_no_overlap": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, overlap_off=True),
-    "cs_compiled_regions": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=True),
+    "cs_compiled_inlined": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=False),
     "fsdp2_eager": Mode(_build_fsdp2),
     "fsdp2_block_compiled": Mode(_build_fsdp2_block_compiled, compiled=True),
     "ddp": Mode(_build_ddp, runs_on_fake_group=False),

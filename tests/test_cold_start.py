@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cold_start.py"
-MODES = ["fsdp2_block_compiled", "cs_compiled", "cs_compiled_regions"]
+MODES = ["fsdp2_block_compiled", "cs_compiled", "cs_compiled_inlined"]
 
 
 def _load_script():

@@ -33,26 +33,27 @@ def test_dump_graphs_writes_each_stage_and_the_schedule(tmp_path):
         "00_joint.txt",
         "01_refunctionalize.txt",
         "02_unused_params.txt",
-        "03_bucket.txt",
-        "04_reshard.txt",
-        "05_save_attention.txt",
-        "06_lower.txt",
-        "07_copy_out.txt",
-        "08_place.txt",
-        "09_forward.txt",
-        "10_backward.txt",
+        "03_compile_regions.txt",
+        "04_bucket.txt",
+        "05_reshard.txt",
+        "06_save_attention.txt",
+        "07_lower.txt",
+        "08_copy_out.txt",
+        "09_place.txt",
+        "10_forward.txt",
+        "11_backward.txt",
         "index.html",
         "schedule.txt",
         "timeline.svg",
     ]
     assert "fsdp.all_gather_into.default" in (folder / "00_joint.txt").read_text()
-    lowered = (folder / "06_lower.txt").read_text()
+    lowered = (folder / "07_lower.txt").read_text()
     assert "_c10d_functional.all_gather_into_tensor.default" in lowered
     # What stays in the fsdp namespace after lowering is the reduction input, a copy.
     assert {line.split(" = ")[1].split("(")[0] for line in lowered.splitlines() if " = fsdp." in line} == {
         "fsdp.reduce_scatter_input.default"
     }
-    assert "MUST_RECOMPUTE" in (folder / "04_reshard.txt").read_text()
+    assert "MUST_RECOMPUTE" in (folder / "05_reshard.txt").read_text()
     schedule = (folder / "schedule.txt").read_text().splitlines()
     rows = [line.split() for line in schedule if line.startswith(("forward ", "backward "))]
     # Forward: group 0 (the first Linear) first, then the root's prefetch. Backward needs no
@@ -66,7 +67,7 @@ def test_dump_graphs_writes_each_stage_and_the_schedule(tmp_path):
     svg = (folder / "timeline.svg").read_text()
     assert svg.count("<rect") > 10 and ">Sequential</text>" in svg and ">0</text>" in svg
     page = (folder / "index.html").read_text()
-    assert "<svg" in page and 'href="09_forward.txt"' in page and "cpu_gloo" in page
+    assert "<svg" in page and 'href="10_forward.txt"' in page and "cpu_gloo" in page
 
 
 def test_dump_dir_from_environment(tmp_path, monkeypatch):
@@ -82,7 +83,7 @@ def test_a_warm_cache_does_not_skip_the_dump(tmp_path):
         with dump_graphs(tmp_path):
             _compile_small_model("inductor")
     for folder in ("graph_000", "graph_001"):
-        forward = (tmp_path / "rank0" / folder / "09_forward.txt").read_text()
+        forward = (tmp_path / "rank0" / folder / "10_forward.txt").read_text()
         assert "all_gather_into_tensor_out.default" in forward  # gather_buffers ran: Inductor's post-grad hook
 
 

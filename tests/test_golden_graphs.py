@@ -98,7 +98,11 @@ def _staged_graphs(
     mesh_shape=None,
     mesh_dim_names=None,
 ) -> str:
-    """The suite's own dump of each stage, then the partitioned forward and backward graphs."""
+    """The suite's own dump of each stage, then the partitioned forward and backward graphs.
+
+    Every block inlined unless ``compile_regions``: each pass's work then shows op by op
+    in every block (``test_golden_graphs_with_compile_regions`` holds the default layout).
+    """
     capture = CapturingBackend()
     torch._dynamo.reset()
     # The schedule of a machine that overlaps communication (prefetch and reductions in

@@ -22,7 +22,7 @@ from dist_utils import FakeProcessGroup, run_gloo
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
 GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference"]
-FAKE_MODES = ["cs_compiled", "cs_compiled_regions", "fsdp2_eager"]
+FAKE_MODES = ["cs_compiled", "cs_compiled_inlined", "fsdp2_eager"]
 TIME_FIELDS = {"cold_step_s", "median_step_s", "min_step_s"}
 RATIO_FIELDS = TIME_FIELDS | {"peak_memory_mb", "step_peak_memory_mb"}
 MODE_FIELDS = {
@@ -185,11 +185,11 @@ def test_fake_process_group_report(fake_report):
 
 
 def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
-    compiled, regions = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_regions"]
+    regions, inlined = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_inlined"]
     stats = regions["compile"]
     assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
-    assert regions["graph_collectives"] == compiled["graph_collectives"]  # backward still gathers again
-    assert regions["simulation"]["compute_s"] == pytest.approx(compiled["simulation"]["compute_s"], rel=0.05)
+    assert regions["graph_collectives"] == inlined["graph_collectives"]  # backward still gathers again
+    assert regions["simulation"]["compute_s"] == pytest.approx(inlined["simulation"]["compute_s"], rel=0.05)
 
 
 def _step_collectives(build, train_bench, param_dtype):
