@@ -171,6 +171,11 @@ def test_regions_under_aot_eager_match_eager_on_gloo():
     run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True)
 
 
+def _assert_parameters_equal(models):
+    for param, eager_param in zip(*(model.parameters() for model in models)):
+        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=0)
+
+
 def _regions_with_a_setting_match_eager(rank, world_size, setting):
     settings.compile_regions = True
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -204,8 +209,7 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
             optimizer.zero_grad()
             losses.append(loss.detach())
         torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
-    for param, eager_param in zip(*(model.parameters() for model in models)):
-        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=0)
+    _assert_parameters_equal(models)
     assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"]
     assert _region_body_traces() >= 1  # the blocks ran as regions, not inlined
 
@@ -387,16 +391,13 @@ def _complex_rotation_worker(rank, world_size):
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
     for step in range(3):
         inputs = torch.randn(world_size * 4, 6, generator=torch.Generator().manual_seed(step))[4 * rank : 4 * rank + 4]
-        losses = []
-        for run, optimizer in zip((compiled, models[1]), optimizers):
-            loss = run(inputs).pow(2).sum()
+        losses = [run(inputs).pow(2).sum() for run in (compiled, models[1])]
+        for loss, optimizer in zip(losses, optimizers):
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
-    for param, eager_param in zip(*(model.parameters() for model in models)):
-        torch.testing.assert_close(param.full_tensor(), eager_param.full_tensor(), rtol=0, atol=0)
+        torch.testing.assert_close(losses[0].detach(), losses[1].detach(), rtol=0, atol=0)
+    _assert_parameters_equal(models)
     assert _region_body_traces() == 1
 
 
