@@ -474,8 +474,8 @@ def _symbolic_numbers(tracer: Any) -> dict[Any, str]:
     return numbers
 
 
-#: Per ``_start_first_block``: the graph's node count then, and every tensor's version.
-_block_starts: dict[int, tuple[int, dict[fx.Node, int]]] = {}
+#: Per ``_start_first_block``: the graph, its node count then, and every tensor's version.
+_block_starts: dict[int, tuple[fx.Graph, int, dict[fx.Node, int]]] = {}
 _start_numbers = itertools.count()
 
 
@@ -483,9 +483,13 @@ _start_numbers = itertools.count()
 def _start_first_block() -> int:
     """Notes the graph being traced before a first block's forward, for ``_learn_from_first_block``."""
     graph = _subgraph_tracer().graph
+    # An entry of another graph belongs to a forward that a graph break ended before
+    # ``_learn_from_first_block``: the trace went on in a new graph.
+    for stale in [number for number, (other, _, _) in _block_starts.items() if other is not graph]:
+        del _block_starts[stale]
     versions = {node: value._version for node, value in _example_tensors(graph)}
     start = next(_start_numbers)
-    _block_starts[start] = (len(graph.nodes), versions)
+    _block_starts[start] = (graph, len(graph.nodes), versions)
     return start
 
 
@@ -526,7 +530,7 @@ def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_
     """
     _learn_reads(module)
     tracer = _subgraph_tracer()
-    nodes_before, versions = _block_starts.pop(start)
+    _, nodes_before, versions = _block_starts.pop(start)
     numbers = _symbolic_numbers(tracer)
     symbolic = (
         numbers[arg]
