@@ -539,7 +539,6 @@ def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_
         if arg in numbers
     )
     name = next(symbolic, None)
-    written = _written_in_place(module, tracer.graph, versions)
     if name is not None:
         reason = (
             f"reads {name}, a number Dynamo made symbolic after it changed, which torch 2.13 cannot pass to a "
@@ -550,7 +549,7 @@ def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_
             "writes state it did not create (an attribute of an existing object, a global, a container), which "
             "a shared compile region would write for the first such block only"
         )
-    elif written is not None:
+    elif (written := _written_in_place(module, tracer.graph, versions)) is not None:
         reason = (
             f"writes in place to {written}, a tensor it did not create, which torch 2.13 cannot train through a "
             f"shared compile region"
