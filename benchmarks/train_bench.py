@@ -304,6 +304,7 @@ class GraphRecorder:
         self.backend_name = backend_name
         self.keep_graphs = keep_graphs
         self.counts: list[Counter] = []
+        self.region_calls = 0
         self.graphs: list[fx.Graph] = []
 
     def backend(self) -> str | Callable:
@@ -350,6 +351,7 @@ class GraphRecorder:
     def record(self, graph: fx.Graph) -> None:
         found = (node_collective(node) for node in graph.nodes)
         self.counts.append(Counter(collective.kind for collective in found if collective is not None))
+        self.region_calls += len(graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
         if self.keep_graphs:
             self.graphs.append(graph)
 
@@ -606,6 +608,8 @@ def _compile_stats(recorder: GraphRecorder) -> dict:
         "graph_break_reasons": sorted({" ".join(reason.splitlines()[:2]) for reason in counters["graph_break"]}),
         "recompiles": sum(1 for metrics in get_compilation_metrics() if metrics.recompile_reason),
         "backend_graphs": len(recorder.counts),
+        # Calls of compile regions in those graphs, forward and backward: 0 when every block ran inlined.
+        "region_calls": recorder.region_calls,
     }
 
 
@@ -974,6 +978,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "--modes", help="comma-separated subset of: " + ", ".join(MODES) + " (default: all that can run)"
     )
     parser.add_argument("--world-size", type=_at_least(1), help="gloo processes per mode (default: the config's)")
+    parser.add_argument("--layers", type=_at_least(1), help="transformer blocks (default: the config's)")
     parser.add_argument("--steps", type=_at_least(1), help="timed steps after warm-up (default: the config's)")
     parser.add_argument("--warmup", type=_at_least(0), help="untimed steps after the cold step (default: the config's)")
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor", help="for compiled modes")
@@ -1041,7 +1046,7 @@ def _bench_config(args: argparse.Namespace) -> BenchConfig:
             raise SystemExit(f"--world-size {args.world_size} contradicts torchrun's WORLD_SIZE={world_size}")
     else:
         world_size = args.world_size or config.world_size
-    overrides = {"steps": args.steps, "warmup": args.warmup}
+    overrides = {"n_layers": args.layers, "steps": args.steps, "warmup": args.warmup}
     return dataclasses.replace(
         config, world_size=world_size, **{name: value for name, value in overrides.items() if value is not None}
     )

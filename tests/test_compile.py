@@ -188,19 +188,13 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
         assert op_counts(capture.backward_graphs[0].graph)["all_to_all"] == 2
 
 
-# Inductor at 3 ranks (uneven shards) with checkpointed blocks: each run compiles a model
-# on several processes, the bulk of the suite's time. Inductor without checkpointed
-# blocks runs on gloo in test_regions (3 ranks, bucketed regions) and test_mixed_precision
-# (2 ranks, bf16), and its graphs on a fake process group in
-# test_graphs_given_to_inductor_hold_c10d_collectives_only. aot_eager's bitwise
+# Inductor on gloo runs with compile regions, the default, in test_regions (2 ranks;
+# 3 ranks with checkpointed blocks; 3 ranks bucketed), where each model's first block
+# runs inlined, and in test_mixed_precision (2 ranks, bf16); its graphs on a fake process
+# group in test_graphs_given_to_inductor_hold_c10d_collectives_only. aot_eager's bitwise
 # equality with eager is checked at 2 ranks by test_mixed_precision, test_frozen,
-# test_gradient_sync and test_hsdp, and at 3 ranks with bucketing by
-# test_bucketed_and_reordered_training_matches_eager_on_gloo.
-@pytest.mark.parametrize("world_size, backend, checkpoint_blocks", [(3, "inductor", True)])
-def test_compiled_training_matches_eager_on_gloo(world_size, backend, checkpoint_blocks):
-    run_gloo(_compiled_matches_eager, world_size, backend, checkpoint_blocks)
-
-
+# test_gradient_sync and test_hsdp, and at 3 ranks with every block inlined and bucketed
+# by the test below.
 def test_bucketed_and_reordered_training_matches_eager_on_gloo():
     """A cap that merges every group into one bucket; reorder on (the default).
 

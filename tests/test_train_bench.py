@@ -72,7 +72,9 @@ def fake_report(tmp_path_factory):
     return _run(
         tmp_path_factory,
         "fake",
-        *("--device", "cpu", "--fake-world-size", "8", "--modes", ",".join(FAKE_MODES), "--mp", "bf16"),
+        # 3 layers: the first block runs inlined, and a region called once is inlined too.
+        *("--device", "cpu", "--fake-world-size", "8", "--layers", "3", "--mp", "bf16"),
+        *("--modes", ",".join(FAKE_MODES)),
         "--adaptive-mmap-threshold",
     )
 
@@ -174,7 +176,8 @@ def test_fake_process_group_report(fake_report):
     compiled, eager = fake_report["modes"]["cs_compiled"], fake_report["modes"]["fsdp2_eager"]
     assert compiled["processes"] == eager["processes"] == 1
     assert compiled["max_loss_diff"] is None and eager["max_loss_diff"] is None
-    assert eager["collectives"] == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0, "all_to_all": 0}
+    # 3 blocks and the root gather in forward, the blocks again in backward.
+    assert eager["collectives"] == {"all_gather": 7, "reduce_scatter": 4, "all_reduce": 0, "all_to_all": 0}
     simulation = compiled["simulation"]
     assert simulation["profile"] == fake_report["cost_profile"] == "h100_nvlink"
     assert simulation["communication_s"] > 0
@@ -188,6 +191,8 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     regions, inlined = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_inlined"]
     stats = regions["compile"]
     assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"]) == (1, 0, 0)
+    # Blocks 2 and 3 call one region, in forward and in backward.
+    assert (stats["region_calls"], inlined["compile"]["region_calls"]) == (4, 0)
     assert regions["graph_collectives"] == inlined["graph_collectives"]  # backward still gathers again
     assert regions["simulation"]["compute_s"] == pytest.approx(inlined["simulation"]["compute_s"], rel=0.05)
 
