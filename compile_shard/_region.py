@@ -123,7 +123,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._C import DispatchKey
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.base import (
     AttributeMutationExisting,
@@ -133,6 +132,7 @@ from torch._dynamo.variables.base import (
 )
 from torch._dynamo.variables.tensor import TensorVariable
 
+from . import _invoke_subgraph
 from ._attribute_writes import PLAIN, WRITES_ATTR
 from ._param import FSDPParam
 
@@ -631,23 +631,8 @@ def runs_inlined(module: nn.Module) -> bool:
     return _signature_hash(module) in _INLINED_SIGNATURES
 
 
-# [Note: conjugate views across a region's boundary]
-# Autograd's formula for a product of complex tensors saves the other factor's
-# conjugate, a lazy view with the conjugate bit (``aten._conj``). Inside a region, the
-# region's forward returns that view for its backward, and torch 2.13's
-# ``invoke_subgraph`` has no kernel for the Conjugate dispatch key: the compiled
-# backward (or Inductor lowering it) raises "could not find kernel for
-# HigherOrderOperator invoke_subgraph at dispatch key DispatchKey.Conjugate". Rotary
-# embeddings in complex form (torchtitan's Llama, ``freqs_cis``) take this path. This
-# kernel materializes the conjugate operands and calls the region again: the values
-# are the same, and a region's ops read only the values.
-def _call_with_conjugates_resolved(subgraph: Any, identifier: Any, *operands: Any) -> Any:
-    resolved = (operand.resolve_conj() if isinstance(operand, torch.Tensor) else operand for operand in operands)
-    return torch.ops.higher_order.invoke_subgraph(subgraph, identifier, *resolved)
-
-
-if REGIONS_SUPPORTED and DispatchKey.Conjugate not in torch.ops.higher_order.invoke_subgraph.py_kernels:
-    torch.ops.higher_order.invoke_subgraph.py_impl(DispatchKey.Conjugate)(_call_with_conjugates_resolved)
+if REGIONS_SUPPORTED:
+    _invoke_subgraph.install()
 
 
 # torch caps the distinct keys of one function in a trace (8 by default) and raises past
