@@ -22,11 +22,13 @@ its operands before training through it (``HigherOrderOperator.py_autograd_impl`
 ``gen_schema`` traces the region's body again on the call's operands and analyses the
 trace. Every sharded block after the first calls the same body, so AOTAutograd traced
 it once per block: a sixth of a 64-layer capture. The schema depends only on the code
-of the body's graph modules and on the operands' types and metadata, so
-``_memoized_gen_schema`` keeps it per body module (weakly: it goes with the compiled
-graph) under those, and derives it anew when either differs: another body, a body
-whose code a pass rewrote (``recompile`` gives it new code), other shapes. Operands
-it cannot key exactly (symbolic sizes, an object) are derived every time, as by torch.
+of the body's graph modules, on the operands' types and metadata, and on the state
+the body is traced under (the thread's included and excluded dispatch keys, autocast
+among them, and grad mode), so ``_memoized_gen_schema`` keeps it per body module
+(weakly: it goes with the compiled graph) under those, and derives it anew when any
+differs: another body, a body whose code a pass rewrote (``recompile`` gives it new
+code), other shapes, autocast entered. Operands it cannot key exactly (symbolic sizes,
+an object) are derived every time, as by torch.
 A schema that marks a write is kept like any other, so torch refuses the training at
 every call as before.
 """
@@ -42,7 +44,7 @@ from torch._C import DispatchKey
 
 _PLAIN_OPERANDS = (int, float, bool, str, type(None))
 
-#: Body module -> {(codes, identifier, operands' key): schema}; see ``_memoized_gen_schema``.
+#: Body module -> {(codes, identifier, operands' key, dispatch state): schema}; see ``_memoized_gen_schema``.
 _SCHEMAS: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -73,7 +75,12 @@ def _schema_key(subgraph: Any, identifier: Any, operands: tuple) -> tuple | None
     if None in operand_keys:
         return None
     codes = tuple(module.code for module in subgraph.modules() if isinstance(module, fx.GraphModule))
-    return (codes, identifier, operand_keys)
+    dispatch_state = (
+        torch._C._dispatch_tls_local_include_set().raw_repr(),
+        torch._C._dispatch_tls_local_exclude_set().raw_repr(),
+        torch.is_grad_enabled(),
+    )
+    return (codes, identifier, operand_keys, dispatch_state)
 
 
 def _memoized_gen_schema(gen_schema: Any) -> Any:
@@ -88,7 +95,6 @@ def _memoized_gen_schema(gen_schema: Any) -> Any:
             schemas[key] = gen_schema(subgraph, identifier, *operands)
         return schemas[key]
 
-    memoized.__wrapped__ = gen_schema
     return memoized
 
 

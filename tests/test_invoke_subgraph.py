@@ -38,7 +38,17 @@ class _CountingGenSchema:
         return ("schema", self.calls)
 
 
-def test_a_schema_is_derived_once_per_body_code_identifier_and_operands():
+def _under_autocast(memoized, *args):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return memoized(*args)
+
+
+def _without_grad(memoized, *args):
+    with torch.no_grad():
+        return memoized(*args)
+
+
+def test_a_schema_is_derived_once_per_body_code_identifier_operands_and_dispatch_state():
     gen_schema = _CountingGenSchema()
     memoized = _invoke_subgraph._memoized_gen_schema(gen_schema)
     body, other_body = _body(2.0), _body(2.0)
@@ -54,6 +64,8 @@ def test_a_schema_is_derived_once_per_body_code_identifier_and_operands():
         lambda: memoized(body, "region", x, 2.0),  # another plain operand
         lambda: memoized(body, "other", x, 1.0),  # another identifier
         lambda: memoized(other_body, "region", x, 1.0),  # another body with the same code
+        lambda: _under_autocast(memoized, body, "region", x, 1.0),
+        lambda: _without_grad(memoized, body, "region", x, 1.0),
     ):
         calls = gen_schema.calls
         call()
