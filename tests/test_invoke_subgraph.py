@@ -60,7 +60,7 @@ def test_a_schema_is_derived_once_per_body_code_identifier_operands_and_dispatch
         lambda: memoized(body, "region", torch.ones(3, 3), 1.0),  # another shape
         lambda: memoized(body, "region", x.t(), 1.0),  # other strides
         lambda: memoized(body, "region", x.double(), 1.0),  # another dtype
-        lambda: memoized(body, "region", x.requires_grad_(), 1.0),
+        lambda: memoized(body, "region", x.requires_grad_(), 1.0),  # requires grad
         lambda: memoized(body, "region", x, 2.0),  # another plain operand
         lambda: memoized(body, "other", x, 1.0),  # another identifier
         lambda: memoized(other_body, "region", x, 1.0),  # another body with the same code
@@ -144,8 +144,8 @@ def _body_retraces(monkeypatch, calls: int) -> int:
 def test_a_regions_body_is_retraced_for_its_schema_as_often_for_six_call_sites_as_for_two(monkeypatch):
     """Once under autograd, and twice under functionalization: the body, and the graph torch wraps it in.
 
-    torch 2.13 without the memo: twice more per call site, under autograd (AOTAutograd
-    traces the step twice): 6 for two call sites, 14 for six.
+    torch 2.13 without the memo: twice per call site under autograd (AOTAutograd traces
+    the step twice), and the two under functionalization: 6 for two call sites, 14 for six.
     """
     assert _body_retraces(monkeypatch, 2) == 3
     assert _body_retraces(monkeypatch, 6) == 3
