@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch._C import DispatchKey
 
-_PLAIN_OPERANDS = (int, float, bool, str, type(None))
+from ._attribute_writes import PLAIN
 
 #: Body module -> {(codes, identifier, operands' key, dispatch state): schema}; see ``_memoized_gen_schema``.
 _SCHEMAS: weakref.WeakKeyDictionary[fx.GraphModule, dict[tuple, Any]] = weakref.WeakKeyDictionary()
@@ -63,13 +63,13 @@ def _operand_key(operand: Any) -> tuple | None:
         if not all(size.__class__ is int for size in sizes):
             return None
         return (type(operand), operand.dtype, operand.device, sizes, operand.requires_grad, operand.is_conj())
-    if isinstance(operand, _PLAIN_OPERANDS):
+    if isinstance(operand, PLAIN):
         return (type(operand), operand)
     return None
 
 
 def _schema_key(subgraph: Any, identifier: Any, operands: tuple) -> tuple | None:
-    if not isinstance(subgraph, fx.GraphModule) or not isinstance(identifier, _PLAIN_OPERANDS):
+    if not isinstance(subgraph, fx.GraphModule) or not isinstance(identifier, PLAIN):
         return None
     operand_keys = tuple(_operand_key(operand) for operand in operands)
     if None in operand_keys:
