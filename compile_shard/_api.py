@@ -22,6 +22,7 @@ from ._region import (
     REGIONS_SUPPORTED,
     accepts_region_call,
     call_in_region,
+    compiles_every_size_symbolic,
     enters_gathered_as_views,
     runs_hooks_inside,
     runs_inlined,
@@ -157,6 +158,7 @@ class FSDPState:
             # one tensor: a region refuses arguments that alias each other.
             and self.group.world_size > 1
             and accepts_region_call(args, kwargs)
+            and not compiles_every_size_symbolic()
             and not runs_hooks_inside(self.module)
             and not runs_inlined(self.module)
             and not enters_gathered_as_views(self.module)

@@ -27,8 +27,10 @@ the body is traced under (the thread's included and excluded dispatch keys, auto
 among them, and grad mode), so ``_memoized_gen_schema`` keeps it per body module
 (weakly: it goes with the compiled graph) under those, and derives it anew when any
 differs: another body, a body whose code a pass rewrote (``recompile`` gives it new
-code), other shapes, autocast entered. Operands it cannot key exactly (symbolic sizes,
-an object) are derived every time, as by torch.
+code), other shapes, autocast entered. A symbolic size (the sequence length after it
+changed, a symbol the call passes) is keyed by its expression, as a region's reuse
+key is ([Note: symbolic sizes in a reuse key] in ``_region``). Operands it cannot key
+exactly (an object, a sparse tensor) are derived every time, as by torch.
 A schema that marks a write is kept like any other, so torch refuses the training at
 every call as before.
 """
@@ -54,17 +56,20 @@ def _call_with_conjugates_resolved(subgraph: Any, identifier: Any, *operands: An
     return torch.ops.higher_order.invoke_subgraph(subgraph, identifier, *resolved)
 
 
+def _size_key(size: int | torch.SymInt) -> int | str:
+    """A size, or a symbolic one's expression (``s0``): the same symbol within one trace."""
+    return size if size.__class__ is int else str(size)
+
+
 def _operand_key(operand: Any) -> tuple | None:
     """What of an operand the schema can depend on; None where that is not exactly hashable."""
     if isinstance(operand, torch.Tensor):
         if operand.layout is not torch.strided:
             return None
-        sizes = (*operand.shape, *operand.stride(), operand.storage_offset())
-        if not all(size.__class__ is int for size in sizes):
-            return None
+        sizes = tuple(_size_key(size) for size in (*operand.shape, *operand.stride(), operand.storage_offset()))
         return (type(operand), operand.dtype, operand.device, sizes, operand.requires_grad, operand.is_conj())
-    if isinstance(operand, PLAIN):
-        return (type(operand), operand)
+    if isinstance(operand, (*PLAIN, torch.SymInt)):
+        return (type(operand), _size_key(operand) if isinstance(operand, torch.SymInt) else operand)
     return None
 
 

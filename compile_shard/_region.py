@@ -17,7 +17,8 @@ Showing the tensors writes Python state, which turns off Dynamo's guard-based re
 so the region carries its own reuse key (``reuse_hash_fn``): the block's signature
 (see ``block_signature``, read when the call is traced), its modules' plain
 attributes that the body reads, read where Dynamo guards on them, autocast, and
-the metadata of the call's arguments. Blocks with equal keys share one compiled
+the metadata of the call's arguments (symbolic sizes by their expressions: [Note:
+symbolic sizes in a reuse key]). Blocks with equal keys share one compiled
 subgraph, traced from the first of them. What a body reads outside the modules (a
 global, a shared object) is a constant of that first trace: a write to it between
 the blocks' calls keys the later blocks apart ([Note: writes between blocks key them
@@ -49,7 +50,8 @@ attribute writes are counted] in ``_attribute_writes``.
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
 which a region body cannot take from its caller ("Freevar has no source"). That
-block then runs inlined, like a call with symbolic sizes (``accepts_region_call``).
+block then runs inlined, like a call with a symbolic number as an argument
+(``accepts_region_call``).
 
 [Note: the first block of each key runs inlined]
 In each trace, the first block of each reuse key runs its forward inlined, and only
@@ -123,6 +125,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._dynamo.comptime import comptime
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.base import (
     AttributeMutationExisting,
@@ -218,11 +221,55 @@ def block_signature(module: nn.Module) -> tuple:
     return tuple(signature)
 
 
+#: In a reuse key, the sizes and strides of a tensor with a symbolic one (``_symbolic_sizes`` keys those).
+_SYMBOLIC = "symbolic"
+
+
 def _tensor_key(value: Any) -> Any:
-    """A tensor's metadata; a plain value (all else ``accepts_region_call`` rejects) as is."""
+    """A tensor's metadata, ``_SYMBOLIC`` for its sizes where one is; a plain value (all else is rejected) as is.
+
+    Hashing a symbolic size in the trace would make it static: Dynamo would guard on
+    its value, and every new length would recompile.
+    """
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.stride(), value.dtype, value.device, value.requires_grad)
+        static = all(size.__class__ is int for size in (*value.shape, *value.stride()))
+        sizes = (tuple(value.shape), value.stride()) if static else _SYMBOLIC
+        return (sizes, value.dtype, value.device, value.requires_grad)
     return value
+
+
+#: What ``_record_symbolic_sizes`` found, for ``_recorded_symbolic_sizes`` to return.
+_symbolic_sizes_found: tuple = ()
+
+
+def _record_symbolic_sizes(ctx: Any) -> None:
+    """Run by Dynamo at trace time (``comptime``): the expressions of the sizes of ``flat`` in the caller's frame."""
+    global _symbolic_sizes_found
+    leaves = ctx.get_local("flat").as_proxy()  # a proxy per tensor, the plain values themselves
+    fakes = [leaf.node.meta["example_value"] for leaf in leaves if isinstance(leaf, fx.Proxy)]
+    _symbolic_sizes_found = tuple(tuple(str(size) for size in (*fake.shape, *fake.stride())) for fake in fakes)
+
+
+@torch.compiler.assume_constant_result
+def _recorded_symbolic_sizes() -> int:
+    return hash(_symbolic_sizes_found)
+
+
+def _symbolic_sizes(flat: tuple) -> int:
+    """A region call's tensor sizes and strides as expressions (``s0``, ``2*s0``), hashed.
+
+    [Note: symbolic sizes in a reuse key]
+    After an input's size changed, Dynamo recompiles with it symbolic (automatic
+    dynamic), and the blocks' activations have symbolic sizes. A reused subgraph is
+    stamped out with the symbols and output sizes of the call it was traced from, so
+    two calls share one only where their sizes are the same expressions: a block
+    called on ``x`` and on ``x[:, ::2]`` needs two. Those expressions cannot be read
+    in the traced code (``str`` or ``hash`` of a symbolic size guards on its value),
+    so ``comptime`` reads them from the fake tensors while Dynamo traces, and an
+    ``assume_constant_result`` function hands them back to the trace.
+    """
+    comptime(_record_symbolic_sizes)
+    return _recorded_symbolic_sizes()
 
 
 def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
@@ -299,6 +346,8 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     region keys are guarded]).
     """
     state = module._compile_shard_state
+    tensor_keys = tuple(_tensor_key(leaf) for leaf in flat)  # the kwargs' names among them, sorted
+    symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in tensor_keys)
     attribute_names, numbers = _plain_attributes(module)
     values = tuple(
         getattr(submodule, name)
@@ -316,7 +365,8 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             layout,
-            tuple(_tensor_key(leaf) for leaf in flat),  # the kwargs' names among them, sorted
+            tensor_keys,
+            _symbolic_sizes(flat) if symbolic else None,
         )
     )
 
@@ -623,6 +673,18 @@ def _writes_so_far() -> int:
 
 
 @torch.compiler.assume_constant_result
+def compiles_every_size_symbolic() -> bool:
+    """Whether this is a ``torch.compile(dynamic=True)`` trace, which runs every block inlined.
+
+    Its numbers (a norm's ``eps``) are symbolic from the first trace on, which a region
+    body cannot take ([Note: region keys are guarded]), and Dynamo restarts such a
+    trace to make a number static again, after its first block learned to run the
+    blocks inlined: the second attempt takes another path, which Dynamo refuses.
+    """
+    return not torch._dynamo.config.assume_static_by_default
+
+
+@torch.compiler.assume_constant_result
 def runs_inlined(module: nn.Module) -> bool:
     """Whether blocks like ``module`` run inlined: a region cannot replay their forward (``_inline_blocks_like``).
 
@@ -647,28 +709,15 @@ _block_region = (
 )
 
 
-def _region_leaf(value: Any) -> bool:
-    """A plain value, or a tensor of static shape.
-
-    The size test reads ``__class__``: Dynamo answers ``isinstance(size, torch.SymInt)``
-    with False for symbolic sizes too.
-    """
-    if isinstance(value, torch.Tensor):
-        return all(size.__class__ is int for size in value.shape)
-    return isinstance(value, PLAIN)
-
-
 def accepts_region_call(args: tuple, kwargs: dict) -> bool:
-    """Whether a region can take these arguments: leaves, and tuples and lists of leaves.
+    """Whether a region can take these arguments: tensors and plain values, and tuples and lists of those.
 
     Anything else runs the block inlined: a deeper structure or an object (the layout
-    describes one level, [Note: region arguments are flat]), or symbolic sizes (a
-    ``dynamic=True`` trace, or a recompile that marked a size dynamic), where torch
-    2.13's region reuse fails inside Dynamo.
+    describes one level, [Note: region arguments are flat]).
     """
     for value in [*args, *kwargs.values()]:
         items = value if isinstance(value, (tuple, list)) else (value,)
-        if not all(_region_leaf(item) for item in items):
+        if not all(isinstance(item, (torch.Tensor, *PLAIN)) for item in items):
             return False
     return True
 

@@ -32,13 +32,18 @@ def _dry_compiler(captured: list[fx.GraphModule]) -> Callable:
         (output,) = graph_module.graph.find_nodes(op="output")
 
         def run(args: list[Any]) -> list[Any]:
+            symbols = _symbol_values(placeholders, args)
             results = []
             for node in output.args[0]:
                 if node in placeholders:  # passed through, e.g. the DeviceMesh saved for backward
                     results.append(args[placeholders[node]])
                 elif isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
                     value = node.meta["val"]
-                    results.append(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype))
+                    shape = [_concrete(size, symbols) for size in value.shape]
+                    stride = [_concrete(size, symbols) for size in value.stride()]
+                    results.append(torch.empty_strided(shape, stride, dtype=value.dtype))
+                elif isinstance(node, fx.Node) and isinstance(node.meta.get("val"), (int, torch.SymInt)):
+                    results.append(_concrete(node.meta["val"], symbols))  # a size saved for backward
                 else:
                     results.append(None)
             args.clear()
@@ -48,6 +53,22 @@ def _dry_compiler(captured: list[fx.GraphModule]) -> Callable:
         return run
 
     return compiler
+
+
+def _symbol_values(placeholders: dict[fx.Node, int], args: list[Any]) -> dict[Any, int]:
+    """What each symbol of a dynamic-shape graph is in this call: read from the inputs that hold it."""
+    symbols = {}
+    for node, index in placeholders.items():
+        value, arg = node.meta.get("val"), args[index]
+        pairs = zip(value.shape, arg.shape) if isinstance(value, torch.Tensor) else [(value, arg)]
+        for size, actual in pairs:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                symbols[size.node.expr] = actual
+    return symbols
+
+
+def _concrete(size: int | torch.SymInt, symbols: dict[Any, int]) -> int:
+    return int(size.node.expr.xreplace(symbols)) if isinstance(size, torch.SymInt) else size
 
 
 def capture_step(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.Tensor]) -> list[fx.GraphModule]:

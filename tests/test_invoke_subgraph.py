@@ -96,20 +96,30 @@ def test_a_body_whose_code_a_pass_rewrote_is_derived_again():
     assert gen_schema.calls == 4  # the nested module's code is part of the key
 
 
-def test_operands_that_cannot_be_keyed_exactly_derive_the_schema_every_time():
+def test_symbolic_sizes_are_keyed_by_their_expressions():
     gen_schema = _CountingGenSchema()
     memoized = _invoke_subgraph._memoized_gen_schema(gen_schema)
     body = _body(2.0)
     mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    symbolic = mode.from_tensor(torch.ones(4, 3), source=LocalSource("x"), symbolic_context=context)
-    assert symbolic.shape[0].__class__ is torch.SymInt
-    for operands in ((symbolic,), (object(),), (torch.ones(2, 3).to_sparse(),)):
+    x = mode.from_tensor(torch.ones(4, 3), source=LocalSource("x"), symbolic_context=context)
+    y = mode.from_tensor(torch.ones(5, 3), source=LocalSource("y"), symbolic_context=context)
+    assert x.shape[0].__class__ is y.shape[0].__class__ is torch.SymInt and str(x.shape[0]) != str(y.shape[0])
+    for operands in ((x,), (x,), (y,), (x, x.shape[0]), (x, x.shape[0]), (x, y.shape[0])):
+        memoized(body, "region", *operands)
+    assert gen_schema.calls == 4  # x; y, another symbol; x with its size; x with another symbol
+
+
+def test_operands_that_cannot_be_keyed_exactly_derive_the_schema_every_time():
+    gen_schema = _CountingGenSchema()
+    memoized = _invoke_subgraph._memoized_gen_schema(gen_schema)
+    body = _body(2.0)
+    for operands in ((object(),), (torch.ones(2, 3).to_sparse(),)):
         for _ in range(2):
             memoized(body, "region", *operands)
     memoized(lambda x: x, "region", torch.ones(2))  # not a graph module
     memoized(lambda x: x, "region", torch.ones(2))
-    assert gen_schema.calls == 8
+    assert gen_schema.calls == 6
 
 
 def _body_retraces(monkeypatch, calls: int) -> int:

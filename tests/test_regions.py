@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -119,11 +120,23 @@ def test_graph_dumps_list_the_region_bodies(tmp_path):
     assert body.startswith("    ") and body.count("aten.mm.default") == 7
 
 
-def test_dry_run_capture_partitions_regions_like_inductor():
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic_length"])
+def test_dry_run_capture_partitions_regions_like_inductor(symbolic):
+    """Also with the sequence length symbolic, as Dynamo recompiles after it changed (``mark_dynamic``)."""
+
+    def loss_fn(compiled):
+        inputs = tokens[:, :-1]
+        if symbolic:
+            torch._dynamo.mark_dynamic(inputs, 1)
+        logits = compiled(inputs)
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
     with FakeProcessGroup(8), pass_settings(compile_regions=True):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
         tokens = torch.randint(0, 1001, (2, 9))
-        forward, backward = capture_step(model, lambda compiled: lm_loss(compiled, tokens))
+        forward, backward = capture_step(model, loss_fn)
+    sizes = [node.meta["val"] for node in forward.graph.find_nodes(op="placeholder")]
+    assert any(isinstance(size, torch.SymInt) for size in sizes) == symbolic
     assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == REGION_BLOCKS
     assert op_counts(backward.graph)["all_gather"] == N_LAYERS
     simulation = simulate_step([forward.graph, backward.graph], get_profile("h100_nvlink"), world_size=8)
@@ -141,6 +154,71 @@ def test_dynamic_shapes_and_structured_arguments_run_the_block_inlined():
     assert accepts_region_call((torch.ones(2), 3, None, (torch.ones(2), 1.0), []), {"scale": 0.5})
     assert not accepts_region_call(([[torch.ones(2)]],), {})  # two levels deep
     assert not accepts_region_call((), {"rope": {"cos": torch.ones(2)}})
+
+
+class _HalvingLlama(Llama):
+    """Its later blocks run on every other position: one block class called at two symbolic lengths."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers):
+            if index == len(self.layers) // 2:
+                h = h[:, ::2].contiguous()
+            seq = h.shape[1]
+            h = layer(h, self.rope_cos[:seq, None, :], self.rope_sin[:seq, None, :])
+        return self.output(self.norm(h))
+
+
+def _next_token_loss(model, tokens, halved):
+    logits = model(tokens[:, :-1])
+    targets = tokens[:, 1:][:, ::2] if halved else tokens[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _changing_lengths_worker(rank, world_size, model_class, n_layers, region_calls):
+    settings.compile_regions = True
+    config = LlamaConfig(n_layers=n_layers)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = model_class(config)
+        for block in model.layers:
+            fully_shard(block)
+        models.append(fully_shard(model))
+    capture = CapturingBackend(min_cut=True)
+    compiled = torch.compile(models[0], backend=capture.backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
+    for step, seq in enumerate([16, 24, 32, 20]):
+        tokens = global_batch(step, world_size, 2, seq, config.vocab_size)[2 * rank : 2 * rank + 2]
+        losses = []
+        for run, optimizer in zip((compiled, models[1]), optimizers):
+            loss = _next_token_loss(run, tokens, model_class is _HalvingLlama)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    _assert_parameters_equal(models)
+    # The second length recompiles with the sequence symbolic, once; its graphs call the regions.
+    assert recompiles() == 1 and not counters["graph_break"]
+    static, symbolic = capture.forward_graphs
+    assert len(_region_calls(static.graph)) == len(_region_calls(symbolic.graph)) == region_calls
+    assert len(_region_calls(capture.backward_graphs[1].graph)) == region_calls
+
+
+@pytest.mark.parametrize(
+    "model_class, n_layers, region_calls",
+    [(Llama, 4, 3), (_HalvingLlama, 6, 4)],
+    ids=["one_length", "two_lengths"],
+)
+def test_blocks_at_symbolic_lengths_call_their_region_and_match_eager_on_gloo(model_class, n_layers, region_calls):
+    """After the sequence length changed: one region per symbolic length, bitwise eager with ``aot_eager``.
+
+    Each length's first block runs inlined ([Note: the first block of each key runs
+    inlined]); the halved blocks' key differs by their sizes' expressions ([Note:
+    symbolic sizes in a reuse key]).
+    """
+    run_gloo(_changing_lengths_worker, 2, model_class, n_layers, region_calls)
 
 
 def test_a_group_of_one_rank_runs_inlined():
