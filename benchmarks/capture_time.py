@@ -2,6 +2,7 @@
 
     python benchmarks/capture_time.py                          # 8, 16, 32 and 64 layers
     python benchmarks/capture_time.py --layers 8,16 --rounds 2 --json capture.json
+    python benchmarks/capture_time.py --layers 8,32 --symbolic   # the sequence length symbolic
 
 A Llama (dim 64) sharded per block on rank 0 of a fake process group of 8, captured by
 ``compile_shard.dry_run.capture_step``: Dynamo, AOTAutograd with the min-cut
@@ -10,7 +11,8 @@ generation (``cold_start.py`` measures a whole cold step). Each depth and mode r
 a fresh process, so no capture reuses another's caches; the rounds alternate them, as
 this machine's speed drifts within an hour, and the table holds the median per depth
 and mode: the capture's seconds, the part of them the pass suite took, and the ratio
-to the smallest depth of the same mode.
+to the smallest depth of the same mode. ``--symbolic`` marks the sequence length
+dynamic, as Dynamo's recompile after a length changed does.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import time
 MODES = {"inlined": False, "regions": True}
 
 
-def capture_seconds(layers: int, regions: bool) -> dict[str, float]:
-    """One capture in this process: its seconds, and those of the pass suite within it."""
+def capture_seconds(layers: int, regions: bool, symbolic: bool = False) -> dict[str, float]:
+    """One capture in this process: its seconds, and those of the pass suite within it.
+
+    ``symbolic``: the sequence length symbolic, as in the recompile after it changed.
+    """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -64,7 +69,10 @@ def capture_seconds(layers: int, regions: bool) -> dict[str, float]:
         tokens = torch.randint(0, config.vocab_size, (2, 17))
 
         def loss_fn(compiled):
-            logits = compiled(tokens[:, :-1])
+            inputs = tokens[:, :-1]
+            if symbolic:
+                torch._dynamo.mark_dynamic(inputs, 1)
+            logits = compiled(inputs)
             return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
         with passes.overridden(compile_regions=regions):
@@ -76,8 +84,9 @@ def capture_seconds(layers: int, regions: bool) -> dict[str, float]:
     return {"capture_s": seconds, "passes_s": suite_seconds}
 
 
-def _in_fresh_process(layers: int, regions: bool) -> dict[str, float]:
+def _in_fresh_process(layers: int, regions: bool, symbolic: bool) -> dict[str, float]:
     command = [sys.executable, __file__, "--one", str(layers), "--regions" if regions else "--inlined"]
+    command += ["--symbolic"] if symbolic else []
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
         raise RuntimeError(f"capturing {layers} layers failed:\n{finished.stderr[-4000:]}")
@@ -90,12 +99,15 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {sorted(MODES)}")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", help="also write the table here")
+    parser.add_argument(
+        "--symbolic", action="store_true", help="the sequence length symbolic, as in the recompile after it changed"
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a worker: one capture, JSON on stdout
     parser.add_argument("--regions", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--inlined", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(capture_seconds(args.one, args.regions)))
+        print(json.dumps(capture_seconds(args.one, args.regions, args.symbolic)))
         return
     depths = [int(layers) for layers in args.layers.split(",")]
     modes = args.modes.split(",")
@@ -103,7 +115,7 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
         for layers in depths:
             for mode in modes:
-                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, MODES[mode]))
+                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, MODES[mode], args.symbolic))
     rows = []
     for mode in modes:
         smallest = None
@@ -125,7 +137,8 @@ def main(argv=None) -> None:
         print(f"| {row['mode']} | {row['layers']} | {row['capture_s']} | {row['passes_s']} | {row['vs_smallest']}x |")
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"world_size": 8, "dim": 64, "rounds": args.rounds, "rows": rows}, file, indent=2)
+            table = {"world_size": 8, "dim": 64, "rounds": args.rounds, "symbolic": args.symbolic, "rows": rows}
+            json.dump(table, file, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/cold_start.py --config B --rounds 2
     python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --json cold.json
+    python benchmarks/cold_start.py --config B --modes cs_compiled,cs_compiled_inlined --symbolic
 
 Issue 5 holds compile_shard's cold first step (compilation included) to 1.5x that of
 FSDP2 with per-block compile. This script separates what that ratio is made of: the
@@ -93,8 +94,12 @@ MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
 # One mode, in its own process ---------------------------------------------------------------------------------------
 
 
-def _measure(mode: str, config_name: str, world_size: int, backend: str) -> dict:
-    """Builds the mode's model on a fake process group and times its first training step."""
+def _measure(mode: str, config_name: str, world_size: int, backend: str, symbolic: bool = False) -> dict:
+    """Builds the mode's model on a fake process group and times its first training step.
+
+    ``symbolic``: the sequence length symbolic, as in the recompile after it changed
+    (per-block compile, whose blocks do not see the marked input, stays static).
+    """
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -115,7 +120,10 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str) -> dict
 
         def step() -> float:
             start = time.perf_counter()
-            logits = model(tokens[:, :-1])
+            inputs = tokens[:, :-1]
+            if symbolic:
+                torch._dynamo.mark_dynamic(inputs, 1)
+            logits = model(inputs)
             F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -142,7 +150,7 @@ def _run_one(mode: str, args: argparse.Namespace) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
         command = [
             sys.executable, __file__, "--one", mode, "--modes", mode, "--config", args.config,
-            "--world-size", str(args.world_size), "--backend", args.backend,
+            "--world-size", str(args.world_size), "--backend", args.backend, *(["--symbolic"] if args.symbolic else []),
         ]  # fmt: skip
         finished = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if finished.returncode != 0:
@@ -196,6 +204,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2, help="size of the fake process group (default 2)")
     parser.add_argument("--backend", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--json", type=Path, help="write every run and the medians here")
+    parser.add_argument(
+        "--symbolic", action="store_true", help="the sequence length symbolic, as in the recompile after it changed"
+    )
     parser.add_argument("--one", choices=sorted(MODES), help=argparse.SUPPRESS)  # the per-mode child process
     args = parser.parse_args(argv)
     unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
@@ -209,7 +220,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, dict] | None:
     args = _parse_args(argv)
     if args.one is not None:
-        print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend)))
+        print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend, args.symbolic)))
         return None
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -220,11 +231,13 @@ def main(argv=None) -> dict[str, dict] | None:
     print(
         f"cold_start config {args.config}: one process, fake group of {args.world_size}, backend {args.backend}, "
         f"empty Inductor cache per run; medians of {args.rounds} round(s), torch {torch.__version__}"
+        + (", sequence length symbolic" if args.symbolic else "")
     )
     print(_table(summary))
     if args.json is not None:
         report = {"config": args.config, "world_size": args.world_size, "backend": args.backend,
-                  "rounds": args.rounds, "torch": torch.__version__, "runs": runs, "medians": summary}  # fmt: skip
+                  "symbolic": args.symbolic, "rounds": args.rounds, "torch": torch.__version__, "runs": runs,
+                  "medians": summary}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1))
     return summary
 

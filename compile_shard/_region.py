@@ -346,8 +346,11 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     region keys are guarded]).
     """
     state = module._compile_shard_state
-    tensor_keys = tuple(_tensor_key(leaf) for leaf in flat)  # the kwargs' names among them, sorted
-    symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in tensor_keys)
+    num_params = len(state.group.fsdp_params)
+    # The parameters' sizes are static: a trace where they are not runs the blocks inlined.
+    param_keys = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in flat[:num_params])
+    arg_keys = tuple(_tensor_key(leaf) for leaf in flat[num_params:])  # the kwargs' names among them, sorted
+    symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in arg_keys)
     attribute_names, numbers = _plain_attributes(module)
     values = tuple(
         getattr(submodule, name)
@@ -365,7 +368,8 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             layout,
-            tensor_keys,
+            param_keys,
+            arg_keys,
             _symbolic_sizes(flat) if symbolic else None,
         )
     )
