@@ -229,7 +229,8 @@ def _tensor_key(value: Any) -> Any:
     """A tensor's metadata, ``_SYMBOLIC`` for its sizes where one is; a plain value (all else is rejected) as is.
 
     Hashing a symbolic size in the trace would make it static: Dynamo would guard on
-    its value, and every new length would recompile.
+    its value, and every new length would recompile. The test reads ``__class__``:
+    Dynamo answers ``isinstance(size, torch.SymInt)`` with False for symbolic sizes too.
     """
     if isinstance(value, torch.Tensor):
         static = all(size.__class__ is int for size in (*value.shape, *value.stride()))
@@ -347,7 +348,8 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     """
     state = module._compile_shard_state
     num_params = len(state.group.fsdp_params)
-    # The parameters' sizes are static: a trace where they are not runs the blocks inlined.
+    # The parameters' sizes are static: only a dynamic=True trace makes them symbolic, and
+    # it runs the blocks inlined (``compiles_every_size_symbolic``).
     param_keys = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in flat[:num_params])
     arg_keys = tuple(_tensor_key(leaf) for leaf in flat[num_params:])  # the kwargs' names among them, sorted
     symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in arg_keys)
