@@ -213,8 +213,12 @@ def global_batch(step: int, world_size: int, batch_per_rank: int, seq: int, voca
     return torch.randint(0, vocab, (world_size * batch_per_rank, seq + 1), generator=generator)
 
 
-def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
+def lm_loss(model, tokens: torch.Tensor, *, symbolic_length: bool = False) -> torch.Tensor:
+    """Next-token cross entropy; ``symbolic_length`` marks the length dynamic, as a recompile after it changed does."""
+    inputs = tokens[:, :-1]
+    if symbolic_length:
+        torch._dynamo.mark_dynamic(inputs, 1)
+    logits = model(inputs)
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 

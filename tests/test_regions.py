@@ -23,7 +23,14 @@ from compile_shard.passes import ShardedGraphBreakWarning, settings
 from compile_shard.passes.cost_model import compute_seconds, get_profile
 from compile_shard.passes.compile_regions import compile_regions
 from compile_shard.passes.simulate import simulate_step
-from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import (
+    FakeProcessGroup,
+    build_sharded_llama,
+    global_batch,
+    lm_loss,
+    run_gloo,
+    step_optimizers_and_compare,
+)
 from graph_utils import CapturingBackend, make_annotation, op_counts, pass_settings
 from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
@@ -123,18 +130,10 @@ def test_graph_dumps_list_the_region_bodies(tmp_path):
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic_length"])
 def test_dry_run_capture_partitions_regions_like_inductor(symbolic):
     """Also with the sequence length symbolic, as Dynamo recompiles after it changed (``mark_dynamic``)."""
-
-    def loss_fn(compiled):
-        inputs = tokens[:, :-1]
-        if symbolic:
-            torch._dynamo.mark_dynamic(inputs, 1)
-        logits = compiled(inputs)
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
     with FakeProcessGroup(8), pass_settings(compile_regions=True):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
         tokens = torch.randint(0, 1001, (2, 9))
-        forward, backward = capture_step(model, loss_fn)
+        forward, backward = capture_step(model, lambda compiled: lm_loss(compiled, tokens, symbolic_length=symbolic))
     sizes = [node.meta["val"] for node in forward.graph.find_nodes(op="placeholder")]
     assert any(isinstance(size, torch.SymInt) for size in sizes) == symbolic
     assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == REGION_BLOCKS
@@ -143,7 +142,8 @@ def test_dry_run_capture_partitions_regions_like_inductor(symbolic):
     assert simulation.compute_seconds > 0
 
 
-def test_dynamic_shapes_and_structured_arguments_run_the_block_inlined():
+def test_a_dynamic_true_compile_and_structured_arguments_run_the_block_inlined():
+    """``dynamic=True`` makes every number symbolic, a norm's ``eps`` too (``compiles_every_size_symbolic``)."""
     capture = CapturingBackend(min_cut=True)
     with FakeProcessGroup(2), pass_settings(compile_regions=True):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
@@ -190,15 +190,11 @@ def _changing_lengths_worker(rank, world_size, model_class, n_layers, region_cal
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     for step, seq in enumerate([16, 24, 32, 20]):
         tokens = global_batch(step, world_size, 2, seq, config.vocab_size)[2 * rank : 2 * rank + 2]
-        losses = []
-        for run, optimizer in zip((compiled, models[1]), optimizers):
-            loss = _next_token_loss(run, tokens, model_class is _HalvingLlama)
+        losses = [_next_token_loss(run, tokens, model_class is _HalvingLlama) for run in (compiled, models[1])]
+        for loss in losses:
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
         torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
-    _assert_parameters_equal(models)
+        step_optimizers_and_compare(optimizers, models[:1], models[1])
     # The second length recompiles with the sequence symbolic, once; its graphs call the regions.
     assert recompiles() == 1 and not counters["graph_break"]
     static, symbolic = capture.forward_graphs
