@@ -3,6 +3,7 @@
     python benchmarks/cold_start.py --config B --rounds 2
     python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --json cold.json
     python benchmarks/cold_start.py --config B --modes cs_compiled,cs_compiled_inlined --symbolic
+    python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --warm  # a restarted job
 
 Issue 5 holds compile_shard's cold first step (compilation included) to 1.5x that of
 FSDP2 with per-block compile. This script separates what that ratio is made of: the
@@ -20,7 +21,9 @@ optimizer step of the first batch), the compile phases torch records
 trace, Inductor's forward and backward compiles), the C++ kernels the step built
 (``*.main.so`` files in the cache directory; Inductor builds one per distinct kernel
 source), and the median of five steps after the second: the compiled step's
-computation, with no communication to wait for.
+computation, with no communication to wait for. ``--warm`` measures a restarted job
+instead: Inductor's and AOTAutograd's caches on, and each mode's step measured in a
+second process that starts from the cache directory the first one filled.
 """
 
 from __future__ import annotations
@@ -94,11 +97,12 @@ MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
 # One mode, in its own process ---------------------------------------------------------------------------------------
 
 
-def _measure(mode: str, config_name: str, world_size: int, backend: str, symbolic: bool = False) -> dict:
+def _measure(mode: str, config_name: str, world_size: int, backend: str, symbolic: bool, caches: bool) -> dict:
     """Builds the mode's model on a fake process group and times its first training step.
 
     ``symbolic``: the sequence length symbolic, as in the recompile after it changed
     (per-block compile, whose blocks do not see the marked input, stays static).
+    ``caches``: Inductor's and AOTAutograd's caches on, as a restarted job has them.
     """
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -107,8 +111,8 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str, symboli
     from compile_shard.models import Llama
 
     torch.set_num_threads(1)
-    torch._inductor.config.fx_graph_cache = False  # compile everything, as in train_bench.py
-    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = caches  # off: compile everything, as in train_bench.py
+    torch._functorch.config.enable_autograd_cache = caches
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         bench = train_bench.CONFIGS[config_name]
@@ -145,16 +149,21 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str, symboli
 
 
 def _run_one(mode: str, args: argparse.Namespace) -> dict:
-    """Runs ``mode`` in a fresh interpreter with an empty Inductor cache; counts the kernels it built."""
+    """Runs ``mode`` in a fresh interpreter with an empty Inductor cache; counts the kernels it built.
+
+    ``--warm``: a first process fills the cache, and a second one, measured, starts from it.
+    """
     with tempfile.TemporaryDirectory(prefix="cold_start_inductor_") as cache_dir:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_NUM_THREADS": "1"}
         command = [
             sys.executable, __file__, "--one", mode, "--modes", mode, "--config", args.config,
-            "--world-size", str(args.world_size), "--backend", args.backend, *(["--symbolic"] if args.symbolic else []),
+            "--world-size", str(args.world_size), "--backend", args.backend,
+            *(["--symbolic"] if args.symbolic else []), *(["--warm"] if args.warm else []),
         ]  # fmt: skip
-        finished = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if finished.returncode != 0:
-            raise RuntimeError(f"cold_start.py: mode {mode} failed:\n{finished.stderr[-4000:]}")
+        for _ in range(2 if args.warm else 1):
+            finished = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            if finished.returncode != 0:
+                raise RuntimeError(f"cold_start.py: mode {mode} failed:\n{finished.stderr[-4000:]}")
         result = json.loads(finished.stdout.strip().splitlines()[-1])
         result["kernels"] = sum(1 for _ in Path(cache_dir).rglob("*.main.so"))
     return result
@@ -207,6 +216,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--symbolic", action="store_true", help="the sequence length symbolic, as in the recompile after it changed"
     )
+    parser.add_argument(
+        "--warm", action="store_true", help="caches on, each mode measured in a second process: a restarted job"
+    )
     parser.add_argument("--one", choices=sorted(MODES), help=argparse.SUPPRESS)  # the per-mode child process
     args = parser.parse_args(argv)
     unknown = [mode for mode in args.modes.split(",") if mode not in MODES]
@@ -220,7 +232,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict[str, dict] | None:
     args = _parse_args(argv)
     if args.one is not None:
-        print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend, args.symbolic)))
+        print(json.dumps(_measure(args.one, args.config, args.world_size, args.backend, args.symbolic, args.warm)))
         return None
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -232,12 +244,13 @@ def main(argv=None) -> dict[str, dict] | None:
         f"cold_start config {args.config}: one process, fake group of {args.world_size}, backend {args.backend}, "
         f"empty Inductor cache per run; medians of {args.rounds} round(s), torch {torch.__version__}"
         + (", sequence length symbolic" if args.symbolic else "")
+        + (", warm: caches on, measured in a second process" if args.warm else "")
     )
     print(_table(summary))
     if args.json is not None:
         report = {"config": args.config, "world_size": args.world_size, "backend": args.backend,
-                  "symbolic": args.symbolic, "rounds": args.rounds, "torch": torch.__version__, "runs": runs,
-                  "medians": summary}  # fmt: skip
+                  "symbolic": args.symbolic, "warm": args.warm, "rounds": args.rounds, "torch": torch.__version__,
+                  "runs": runs, "medians": summary}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1))
     return summary
 

@@ -129,3 +129,47 @@ def test_cache_key_holds_the_rank_on_gloo_only():
 
     with FakeProcessGroup(2):
         assert rank_cache_key() is None  # rank-agnostic graphs: every rank shares one cache entry
+
+
+def _train_from_the_cache_directory(rank, world_size, folder, phase):
+    """Two compiled steps of a 2-layer Llama under Inductor, with the caches in ``folder``; its losses saved there."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    from compile_shard.models import LlamaConfig
+    from dist_utils import build_sharded_llama, global_batch, lm_loss
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    config = LlamaConfig(n_layers=2)
+    model, _ = build_sharded_llama(config)
+    compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(2):
+        loss = lm_loss(compiled, global_batch(step, world_size, 2, 16, config.vocab_size)[2 * rank : 2 * rank + 2])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    path = os.path.join(folder, f"losses_rank{rank}.pt")
+    if phase == "cold":
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+        torch.save(losses, path)
+    else:  # the whole step from the caches: no joint trace, partition, pass suite or Inductor compile
+        aot_cache = counters["aot_autograd"]
+        assert aot_cache["autograd_cache_hit"] == 1 and not aot_cache["autograd_cache_miss"]
+        torch.testing.assert_close(torch.stack(losses), torch.stack(torch.load(path)), rtol=0, atol=0)
+
+
+def test_a_restarted_job_loads_its_compiled_step_from_the_caches():
+    """A second launch with the same cache directory hits AOTAutograd's cache and computes the same losses.
+
+    Guards a restart's first step (docs/benchmarks.md, "A restarted job's first step"):
+    a pass that made the graphs uncacheable would compile everything again.
+    """
+    from dist_utils import run_gloo, tmp_path_for_workers
+
+    folder = tmp_path_for_workers()
+    for phase in ("cold", "warm"):
+        run_gloo(_train_from_the_cache_directory, 2, folder, phase)
