@@ -68,8 +68,10 @@ def _operand_key(operand: Any) -> tuple | None:
             return None
         sizes = tuple(_size_key(size) for size in (*operand.shape, *operand.stride(), operand.storage_offset()))
         return (type(operand), operand.dtype, operand.device, sizes, operand.requires_grad, operand.is_conj())
-    if isinstance(operand, (*PLAIN, torch.SymInt)):
-        return (type(operand), _size_key(operand) if isinstance(operand, torch.SymInt) else operand)
+    if isinstance(operand, torch.SymInt):
+        return (torch.SymInt, _size_key(operand))
+    if isinstance(operand, PLAIN):
+        return (type(operand), operand)
     return None
 
 
