@@ -117,6 +117,11 @@ class FSDPState:
     def _fsdp_param_groups(self) -> list[FSDPParamGroup]:
         return [] if self.group is None else [self.group]
 
+    @property
+    def _fsdp_param_group(self) -> FSDPParamGroup | None:
+        """The same group under torch 2.11's name, which its ``_apply`` and ``share_comm_ctx`` read."""
+        return self.group
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         shown, args, kwargs = self.pre_forward(args, kwargs)
         self._shown_by_method.append(shown)

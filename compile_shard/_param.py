@@ -282,8 +282,12 @@ class FSDPParam:
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
         self.has_extension = _has_all_gather_extension(local_tensor, fqn)
-        # Read here, not in a trace: Dynamo does not trace inspect.signature. FSDP2 accepts
-        # the older form, fsdp_pre_all_gather(mesh), too.
+        # Read here, not in a trace: Dynamo does not trace inspect.signature, and torch 2.11's
+        # Dynamo cannot call a function it reads off a tensor subclass's class. Called as
+        # functions, Dynamo inlines them, where it would record a method call on the tensor
+        # as one opaque node. FSDP2 accepts the older form, fsdp_pre_all_gather(mesh), too.
+        self.pre_all_gather = type(local_tensor).fsdp_pre_all_gather if self.has_extension else None
+        self.post_all_gather = type(local_tensor).fsdp_post_all_gather if self.has_extension else None
         self.pre_all_gather_takes_mesh_only = (
             self.has_extension and len(inspect.signature(local_tensor.fsdp_pre_all_gather).parameters) == 1
         )
@@ -329,15 +333,12 @@ class FSDPParam:
         ``mesh``: the shard mesh (the shard dim's on HSDP), as FSDP2 passes it
         ([Note: all-gather extensions]).
         """
-        # Called on the class: Dynamo inlines a function, where it would record a method
-        # call on the tensor as one opaque node.
         shard = self.shard.detach()
-        pre_all_gather = type(shard).fsdp_pre_all_gather
         if self.pre_all_gather_takes_mesh_only:
-            inputs, metadata = pre_all_gather(shard, mesh)
+            inputs, metadata = self.pre_all_gather(shard, mesh)
         else:
             module = self.usages[0].module
-            inputs, metadata = pre_all_gather(
+            inputs, metadata = self.pre_all_gather(
                 shard, mesh, self.unsharded_shape, self.contiguous_stride, module, mp_policy
             )
         padded_size = torch.Size((self.padded_rows, *self.unsharded_shape[1:]))
@@ -357,7 +358,7 @@ class FSDPParam:
     ) -> torch.Tensor:
         """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
         shard = self.shard.detach()
-        unsharded, _ = type(shard).fsdp_post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
+        unsharded, _ = self.post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
         return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
 
     def watch_use(self, unsharded_param: torch.Tensor) -> None:
