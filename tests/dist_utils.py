@@ -11,6 +11,7 @@ import socket
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -89,6 +90,14 @@ def run_gloo(fn, world_size: int, *args) -> None:
     mp.start_processes(
         _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
     )
+
+
+#: For tests that read what the fake process group's reduce-scatter wrote: torch 2.13's
+#: writes the input's first rows, torch 2.11's leaves the output as it was.
+reads_fake_reduce_scatter_output = pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+    reason="torch 2.11's fake process group leaves a reduce-scatter's output unwritten; this test compares it",
+)
 
 
 class FakeProcessGroup:

@@ -6,7 +6,7 @@ import torch
 
 from compile_shard.debug import unsharded_bytes
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, reads_fake_reduce_scatter_output
 
 CONFIG = LlamaConfig(n_layers=3)
 WORLD_SIZE = 2
@@ -93,6 +93,7 @@ def _reshard_all(model):
             module.reshard()
 
 
+@reads_fake_reduce_scatter_output
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_parameters_kept_after_backward_are_freed_by_reshard_and_never_under_a_pending_backward(backend):
     """``set_reshard_after_backward(False)``: ``reshard()`` frees what backward kept, as in FSDP2.
