@@ -145,9 +145,11 @@ def _nested_region_takes_reuse_key() -> bool:
     return region is not None and "reuse_hash_fn" in inspect.signature(region).parameters
 
 
-#: Whether this torch's ``nested_compile_region`` takes a ``reuse_hash_fn`` (2.13 does,
-#: 2.11 does not); without it sharded blocks are inlined as before.
-REGIONS_SUPPORTED = _nested_region_takes_reuse_key()
+#: Whether sharded blocks become compile regions on this torch. 2.13's
+#: ``nested_compile_region`` takes a ``reuse_hash_fn`` (2.11's does not), and the reuse
+#: key relies on how 2.13's Dynamo answers for symbolic sizes and replays a trace, which
+#: 2.14's does differently (docs/torch-2.13-findings.md). Elsewhere every block is inlined.
+REGIONS_SUPPORTED = torch.__version__.startswith("2.13") and _nested_region_takes_reuse_key()
 
 
 def _plain_value(value: Any) -> Any:

@@ -25,7 +25,7 @@ class PassSettings:
     #: Trace each sharded block (a fully_shard module with none below it) as a nested
     #: compile region that every block with the same signature reuses: the block is
     #: compiled once instead of once per layer (off: every block inlined into the
-    #: step's graph). Needs torch 2.13's ``reuse_hash_fn``; ignored on older torch. See
+    #: step's graph). Runs on torch 2.13; ignored on other versions (``REGIONS_SUPPORTED``). See
     #: [Note: sharded blocks as nested compile regions].
     compile_regions: bool = True
     #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import fully_shard
+from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
 
@@ -91,6 +92,11 @@ def run_gloo(fn, world_size: int, *args) -> None:
         _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
     )
 
+
+#: For tests of compile regions, which run on torch 2.13 only (``REGIONS_SUPPORTED``).
+needs_compile_regions = pytest.mark.skipif(
+    not REGIONS_SUPPORTED, reason=f"compile regions run on torch 2.13, this is torch {torch.__version__}"
+)
 
 #: For tests that read what the fake process group's reduce-scatter wrote: torch 2.13's
 #: writes the input's first rows, torch 2.11's leaves the output as it was.

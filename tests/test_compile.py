@@ -329,6 +329,11 @@ def _calls(code: str) -> list[str]:
 _GATHER_OUT = re.compile(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)")
 
 
+@pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) >= (2, 14),
+    reason="Inductor 2.14 spreads a copy-out over two kernels (docs/torch-2.13-findings.md)",
+    strict=True,
+)
 @pytest.mark.parametrize("bucket_cap_mb", [None, 1000.0], ids=["per_group", "bucketed"])
 def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bucket_cap_mb):
     forward, backward = _inductor_code(bucket_cap_mb)

@@ -15,10 +15,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from compile_shard import _invoke_subgraph
-from compile_shard._region import REGIONS_SUPPORTED
+from dist_utils import needs_compile_regions
 
 pytestmark = [
-    pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)"),
+    needs_compile_regions,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 

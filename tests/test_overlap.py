@@ -17,19 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import overlap_sim  # noqa: E402
 from overlap_sim import group_unsharded_bytes, simulate_schedules  # noqa: E402
 
-from compile_shard._region import REGIONS_SUPPORTED  # noqa: E402
 from compile_shard.models import LlamaConfig  # noqa: E402
 from compile_shard.passes import overridden  # noqa: E402
+from dist_utils import needs_compile_regions  # noqa: E402
 
 
 @pytest.mark.parametrize(
     "compile_regions",
     [
         False,
-        pytest.param(
-            True,
-            marks=pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)"),
-        ),
+        pytest.param(True, marks=needs_compile_regions),
     ],
     ids=["inlined", "regions"],
 )

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from compile_shard import MixedPrecisionPolicy, RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
 from compile_shard._attribute_writes import WRITES_ATTR
-from compile_shard._region import REGIONS_SUPPORTED, accepts_region_call, block_signature
+from compile_shard._region import accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import Llama, LlamaConfig, TransformerBlock
@@ -28,6 +28,7 @@ from dist_utils import (
     build_sharded_llama,
     global_batch,
     lm_loss,
+    needs_compile_regions,
     run_gloo,
     step_optimizers_and_compare,
 )
@@ -36,7 +37,7 @@ from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
 
 pytestmark = [
-    pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)"),
+    needs_compile_regions,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 

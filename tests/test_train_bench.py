@@ -17,8 +17,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from compile_shard._region import REGIONS_SUPPORTED
-from dist_utils import FakeProcessGroup, run_gloo
+from dist_utils import FakeProcessGroup, needs_compile_regions, run_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
@@ -188,7 +187,7 @@ def test_fake_process_group_report(fake_report):
     assert eager["simulation"] is None and eager["projected_step_s"] is None
 
 
-@pytest.mark.skipif(not REGIONS_SUPPORTED, reason="needs nested_compile_region(reuse_hash_fn=...)")
+@needs_compile_regions
 def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     regions, inlined = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_inlined"]
     stats = regions["compile"]
