@@ -330,7 +330,7 @@ _GATHER_OUT = re.compile(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)
 
 
 @pytest.mark.xfail(
-    torch.torch_version.TorchVersion(torch.__version__) >= (2, 14),
+    torch.__version__ >= (2, 14),
     reason="Inductor 2.14 spreads a copy-out over two kernels (docs/torch-2.13-findings.md)",
     strict=True,
 )
@@ -360,7 +360,7 @@ def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bu
         for buffer in _GATHER_OUT.findall(code)
         if re.search(rf"; del {buffer}  # reuse", code)
     ]
-    planner_reuses_gathers = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+    planner_reuses_gathers = torch.__version__ >= (2, 13)
     assert reused or bucket_cap_mb or not planner_reuses_gathers, "no all-gather buffer was reused"
     # A reduce-scatter overlaps compute: kernels run between its issue and its wait. Only
     # the embedding's backward follows block 0's gradients, so the last two reductions

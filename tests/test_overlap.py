@@ -23,12 +23,7 @@ from dist_utils import needs_compile_regions  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "compile_regions",
-    [
-        False,
-        pytest.param(True, marks=needs_compile_regions),
-    ],
-    ids=["inlined", "regions"],
+    "compile_regions", [False, pytest.param(True, marks=needs_compile_regions)], ids=["inlined", "regions"]
 )
 def test_suite_hides_communication_within_one_group_of_memory(compile_regions):
     """With ``compile_regions``, as inlined: the first block runs inlined, so its reduce-scatter hides behind
