@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from compile_shard._region import REGIONS_SUPPORTED
 from dist_utils import FakeProcessGroup, needs_compile_regions, run_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,12 +128,17 @@ def test_gloo_losses_match_the_reference(gloo_report):
         assert result["max_loss_diff"] <= bound, (name, result["max_loss_diff"])
 
 
-def test_the_reference_steps_on_one_micro_batch_per_rank(monkeypatch):
-    """Its loss is the mean of rank-sized micro-batches' losses: the ranks' matmul shapes."""
+def _import_train_bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("train_bench", SCRIPT)
     train_bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "train_bench", train_bench)  # its dataclasses resolve annotations there
     spec.loader.exec_module(train_bench)
+    return train_bench
+
+
+def test_the_reference_steps_on_one_micro_batch_per_rank(monkeypatch):
+    """Its loss is the mean of rank-sized micro-batches' losses: the ranks' matmul shapes."""
+    train_bench = _import_train_bench(monkeypatch)
     smoke = train_bench.CONFIGS["smoke"]
     reference = train_bench.Plan("reference", smoke, False, "cpu", "aot_eager", "h100_nvlink", 1, "", 0, "")
 
@@ -185,6 +191,15 @@ def test_fake_process_group_report(fake_report):
     assert compiled["simulated_comm_s"] == simulation["exposed_communication_s"]
     assert compiled["projected_step_s"] == pytest.approx(compiled["median_step_s"] + compiled["simulated_comm_s"])
     assert eager["simulation"] is None and eager["projected_step_s"] is None
+
+
+def test_a_torch_that_inlines_every_block_says_so_in_the_notes(monkeypatch, fake_report):
+    """On torch other than 2.13, cs_compiled measures the inlined blocks: the report and its notes say it."""
+    assert fake_report["compile_regions_run"] == REGIONS_SUPPORTED
+    notes = _import_train_bench(monkeypatch)._notes
+    said = "cs_compiled inlined every block"
+    assert any(said in note for note in notes({**fake_report, "compile_regions_run": False}))
+    assert not any(said in note for note in notes({**fake_report, "compile_regions_run": True}))
 
 
 @needs_compile_regions
