@@ -114,7 +114,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import sys
 import warnings
@@ -140,16 +139,11 @@ from ._attribute_writes import PLAIN, WRITES_ATTR
 from ._param import FSDPParam
 
 
-def _nested_region_takes_reuse_key() -> bool:
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    return region is not None and "reuse_hash_fn" in inspect.signature(region).parameters
-
-
 #: Whether sharded blocks become compile regions on this torch. 2.13's
 #: ``nested_compile_region`` takes a ``reuse_hash_fn`` (2.11's does not), and the reuse
 #: key relies on how 2.13's Dynamo answers for symbolic sizes and replays a trace, which
 #: 2.14's does differently (docs/torch-2.13-findings.md). Elsewhere every block is inlined.
-REGIONS_SUPPORTED = torch.__version__.startswith("2.13") and _nested_region_takes_reuse_key()
+REGIONS_SUPPORTED = torch.__version__.startswith("2.13")
 
 
 def _plain_value(value: Any) -> Any:
