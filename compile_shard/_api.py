@@ -638,6 +638,20 @@ def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     return list(buffers.values())
 
 
+def _mesh_device(label: str, mesh: DeviceMesh) -> torch.device:
+    """The device of the mesh's type this process computes on: the current one, as in FSDP2."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    handle = getattr(torch, mesh.device_type, None)
+    if handle is None or not handle.is_available():
+        raise ValueError(
+            f"fully_shard({label}): the mesh covers {mesh.device_type!r} devices, which this process "
+            f"does not have; build the mesh on a device it has (for example init_device_mesh('cpu', ...) "
+            "with gloo), or keep the module on meta"
+        )
+    return torch.device(mesh.device_type, handle.current_device())
+
+
 def _move_to_mesh_device(label: str, mesh: DeviceMesh, tensors: list[torch.Tensor]) -> None:
     """Moves the parameters and buffers this call manages to the mesh's device, in place, as FSDP2 does.
 
@@ -649,17 +663,7 @@ def _move_to_mesh_device(label: str, mesh: DeviceMesh, tensors: list[torch.Tenso
     to_move = [tensor for tensor in tensors if not tensor.is_meta]
     if not to_move:
         return
-    if mesh.device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        handle = getattr(torch, mesh.device_type, None)
-        if handle is None or not handle.is_available():
-            raise ValueError(
-                f"fully_shard({label}): the mesh covers {mesh.device_type!r} devices, which this process "
-                f"does not have; build the mesh on a device it has (for example init_device_mesh('cpu', ...) "
-                "with gloo), or keep the module on meta"
-            )
-        device = torch.device(mesh.device_type, handle.current_device())
+    device = _mesh_device(label, mesh)
     with torch.no_grad():
         for tensor in to_move:
             if tensor.device != device:
@@ -753,25 +757,21 @@ def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any
         )
 
 
-def _pins_memory(label: str, mesh: DeviceMesh, offload_policy: OffloadPolicy) -> bool:
-    """Whether the shards go to pinned memory: FSDP2's ``CPUOffloadPolicy``, where it has a meaning here.
+def _shard_memory(label: str, mesh: DeviceMesh, offload_policy: OffloadPolicy) -> tuple[bool, torch.device | None]:
+    """FSDP2's ``OffloadPolicy``: whether the shards are pinned, and the mesh's device where they are offloaded.
 
-    On a CPU mesh the sharded parameters, their gradients and the optimizer state
-    already live in CPU memory, so CPU offload moves nothing, as in FSDP2 there; FSDP2
-    still pins the shards with ``pin_memory=True`` (an error where no accelerator is
-    available), and so does compile_shard. Offloading from an accelerator's mesh is not
-    implemented.
+    ``CPUOffloadPolicy`` keeps the sharded parameters in CPU memory, pinned with
+    ``pin_memory=True`` (an error where no accelerator is available, as in FSDP2). On
+    an accelerator's mesh the all-gathers then read copies of them on the mesh's
+    device ([Note: CPU offload] in ``_param``); on a CPU mesh they live there anyway,
+    and nothing moves, as in FSDP2.
     """
     if type(offload_policy) is OffloadPolicy:
-        return False
+        return False, None
     if type(offload_policy) is not CPUOffloadPolicy:
         raise NotImplementedError(f"fully_shard({label}): {type(offload_policy).__name__} is not supported")
-    if mesh.device_type != "cpu":
-        raise NotImplementedError(
-            f"fully_shard({label}): CPUOffloadPolicy on a {mesh.device_type} mesh (offloading the shards to CPU "
-            "memory) is not supported yet; pass OffloadPolicy() or leave offload_policy out"
-        )
-    return offload_policy.pin_memory
+    compute_device = None if mesh.device_type == "cpu" else _mesh_device(label, mesh)
+    return offload_policy.pin_memory, compute_device
 
 
 def _data_parallel_dims(label: str, mesh: DeviceMesh, dp_mesh_dims: Any) -> tuple[int, ...]:
@@ -942,7 +942,7 @@ def fully_shard(
             )
         dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_data_parallel_dims]
         mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
-    pin_memory = _pins_memory(label, mesh, offload_policy)
+    pin_memory, compute_device = _shard_memory(label, mesh, offload_policy)
     reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
     reshard_size = None  # of a smaller group to reshard to
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -973,7 +973,7 @@ def fully_shard(
     group = None
     if usages:
         fsdp_params = [
-            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims, shard_dim, pin_memory)
+            FSDPParam(param, fqn, usage, mesh, spmd_data_parallel_dims, shard_dim, pin_memory, compute_device)
             for (fqn, param), usage, shard_dim in zip(named.items(), usages.values(), shard_dims)
         ]
         group = FSDPParamGroup(

@@ -361,7 +361,8 @@ class FSDPParamGroup:
 
     def _gradient_buffer(self, numel: int) -> torch.Tensor:
         """A zeroed buffer for gradients accumulated between reductions, in the reduction dtype."""
-        return self.fsdp_params[0].shard.new_zeros(numel, dtype=self.reduction_dtype)
+        fsdp_param = self.fsdp_params[0]  # on the mesh's device, also where the shard is offloaded to CPU memory
+        return fsdp_param.shard.new_zeros(numel, dtype=self.reduction_dtype, device=fsdp_param.compute_device)
 
     @property
     def reduction_dtype(self) -> torch.dtype:

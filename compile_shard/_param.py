@@ -77,7 +77,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import ops
 from ._layout import padded_rows
@@ -141,6 +141,20 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _sharded_dtensor(
+    local_tensor: torch.Tensor, mesh: DeviceMesh, placements: tuple, shape: torch.Size, stride: tuple[int, ...]
+) -> DTensor:
+    """A DTensor over ``local_tensor`` itself, also where that is in CPU memory on an accelerator's mesh.
+
+    ``DTensor.from_local`` copies a local tensor to the mesh's device, which would undo
+    CPU offload ([Note: CPU offload]); FSDP2 builds such DTensors directly, as here.
+    """
+    if local_tensor.is_meta or local_tensor.device.type == mesh.device_type:
+        return DTensor.from_local(local_tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local_tensor.dtype))
+    return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)
 
 
 def _has_all_gather_extension(local_tensor: torch.Tensor, fqn: str) -> bool:
@@ -235,11 +249,13 @@ class FSDPParam:
         spmd_data_parallel_dims: tuple[int, ...] = (),
         shard_dim: int = 0,
         pin_memory: bool = False,
+        compute_device: torch.device | None = None,
     ):
         """``mesh``: the data-parallel mesh. ``spmd_data_parallel_dims``: with ``dp_mesh_dims``, the data-parallel
         dims of the parameter's own (SPMD) mesh, the shard dim last. ``shard_dim``: the dim ``shard_placement_fn``
         chose ([Note: sharding on another dim]). ``pin_memory``: the padded shard is in pinned memory
-        (``CPUOffloadPolicy`` on a CPU mesh)."""
+        (``CPUOffloadPolicy``). ``compute_device``: the mesh's device where the shard is kept in CPU memory
+        instead ([Note: CPU offload]), else None."""
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -272,13 +288,17 @@ class FSDPParam:
         end = min(start + self.padded_rows, data.size(0))
         self.shard_rows = end - start
         self.pin_memory = pin_memory
+        self.compute_device = compute_device
+        if self.offload_to_cpu and _has_all_gather_extension(data, fqn):
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} has an all-gather extension (fsdp_pre_all_gather); compile_shard "
+                "does not offload such parameters to CPU memory. Pass OffloadPolicy() for its module"
+            )
         self.padded_shard = self._new_padded_shard(data)
         with torch.no_grad():
             self.padded_shard[: self.shard_rows].copy_(data[start:end])
         local_tensor = self.rows_of(self.padded_shard[: self.shard_rows])
-        sharded = DTensor.from_local(
-            local_tensor, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+        sharded = _sharded_dtensor(local_tensor, self.sharded_mesh, self.placements, param.shape, param.stride())
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
         self.has_extension = _has_all_gather_extension(local_tensor, fqn)
@@ -317,6 +337,11 @@ class FSDPParam:
     def local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
 
+    @property
+    def offload_to_cpu(self) -> bool:
+        """Whether the shard is kept in CPU memory while the mesh computes on an accelerator ([Note: CPU offload])."""
+        return self.compute_device is not None
+
     def _new_shard(self) -> torch.Tensor:
         """See [Note: the shard autograd sees]."""
         shard = self.rows_of(self.local_tensor.detach()).requires_grad_(True)
@@ -324,8 +349,24 @@ class FSDPParam:
         return shard
 
     def all_gather_shard(self) -> torch.Tensor:
-        """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient."""
-        return self.shard if self.sharded_param.requires_grad else self.shard.detach()
+        """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient, on the mesh's device.
+
+        [Note: CPU offload]
+        FSDP2's ``CPUOffloadPolicy`` on an accelerator's mesh: the padded shard, and with
+        it the sharded parameter, its gradient and the optimizer's state, live in CPU
+        memory (pinned with ``pin_memory=True``). The all-gather reads a copy of the
+        shard on the mesh's device, made here at every gather (a non-blocking copy from
+        pinned memory), and the gradient comes back to CPU memory through that copy's
+        backward, so ``shard``'s hook receives it on the CPU like any other. In a trace
+        the copy is one of the shard views feeding the all-gather
+        (``passes.patterns.all_gather_chain``): the passes move it with the gather, and a
+        resharded group's backward copies the shard again, as FSDP2's does, instead of
+        keeping it on the device. FSDP2 copies the sharded gradient into pinned memory
+        without blocking and waits for it at the end of backward; autograd's copy
+        blocks at each: the same values, later.
+        """
+        shard = self.shard if self.sharded_param.requires_grad else self.shard.detach()
+        return shard if self.compute_device is None else shard.to(self.compute_device, non_blocking=True)
 
     def extension_inputs(self, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> tuple[list[torch.Tensor], Any]:
         """The all-gather inputs and metadata ``fsdp_pre_all_gather`` makes of the shard.
@@ -386,9 +427,7 @@ class FSDPParam:
             return
         param, grad = self.sharded_param, self.rows_of(grad)
         if param.grad is None:
-            param.grad = DTensor.from_local(
-                grad, self.sharded_mesh, self.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            param.grad = _sharded_dtensor(grad, self.sharded_mesh, self.placements, param.shape, param.stride())
         else:
             param.grad._local_tensor.add_(grad)
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -429,21 +468,31 @@ class FSDPParam:
         input beside its ``shard``.
         """
         device = self.shard.device
+        home = "cpu" if self.offload_to_cpu else device_type
         if device.type == "meta":
             raise RuntimeError(
                 f"fully_shard: parameter {self.fqn!r} is still on the meta device at the first forward. "
-                f"Materialize it first, e.g. module.to_empty(device={device_type!r}) and then initialize "
+                f"Materialize it first, e.g. module.to_empty(device={home!r}) and then initialize "
                 "the values (reset_parameters() or load a state dict)"
             )
-        if device.type != device_type:
+        if self.offload_to_cpu and device.type != "cpu":
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} is on {device}, but CPUOffloadPolicy keeps sharded parameters "
+                "in CPU memory, as in FSDP2. Materialize it on the CPU (module.to_empty(device='cpu') after "
+                "meta-device init, or load a CPU state dict)"
+            )
+        if device.type != home:
             raise RuntimeError(
                 f"fully_shard: parameter {self.fqn!r} is on {device} but the mesh covers "
                 f"{device_type!r} devices. Move the module with module.to({device_type!r}) before its forward"
             )
 
     def _new_padded_shard(self, like: torch.Tensor) -> torch.Tensor:
-        padded = like.new_zeros((self.padded_rows, *like.shape[1:]))
-        return padded.pin_memory() if self.pin_memory and not padded.is_meta else padded
+        """Zeroed padded storage: in CPU memory with ``CPUOffloadPolicy``, pinned with its ``pin_memory``."""
+        if like.is_meta:
+            return like.new_zeros((self.padded_rows, *like.shape[1:]))
+        padded = like.new_zeros((self.padded_rows, *like.shape[1:]), device="cpu" if self.offload_to_cpu else None)
+        return padded.pin_memory() if self.pin_memory else padded
 
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
@@ -455,6 +504,12 @@ class FSDPParam:
                     "such a parameter after fully_shard. Build the model on the mesh's device first"
                 )
             return
+        if self.offload_to_cpu and local_tensor.device.type not in ("cpu", "meta"):
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} was moved to {local_tensor.device}, but CPUOffloadPolicy keeps "
+                "sharded parameters in CPU memory. Move nothing to the device after fully_shard, and materialize a "
+                "meta-device module with module.to_empty(device='cpu'), as in FSDP2"
+            )
         if (
             local_tensor.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
             and local_tensor.dtype == self.padded_shard.dtype

@@ -3,8 +3,9 @@
 One GPU holds one rank, so the group is NCCL with world size 1. A group of one rank
 issues no collective, as in FSDP2 ([Note: a group of one rank] in compile_shard.ops):
 these run the ``fsdp`` ops' CUDA kernels (copy-in with its casts, the reductions'
-arithmetic) and, compiled, Inductor's Triton kernels for them. The other tests cover
-sharding across ranks on CPU; these are skipped where torch sees no GPU.
+arithmetic) and, compiled, Inductor's Triton kernels for them. CPU offload's
+compiled collectives run over a fake process group of 2 on the GPU. The other tests
+cover sharding across ranks on CPU; these are skipped where torch sees no GPU.
 """
 
 import copy
@@ -14,9 +15,21 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
-from dist_utils import global_batch, lm_loss
+from graph_utils import CapturingBackend
+from dist_utils import (
+    FakeProcessGroup,
+    assert_gradients_match,
+    counted_step,
+    global_batch,
+    lm_loss,
+    step_optimizers_and_compare,
+    train_against_torch_fsdp2,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -65,9 +78,6 @@ def test_training_on_one_gpu_matches_the_unsharded_model(nccl_world_of_one, fres
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 def test_bf16_mixed_precision_on_one_gpu_matches_torch_fsdp2(nccl_world_of_one, fresh_dynamo, compiled):
     """The CUDA copy-in casts to bf16 and the reduction runs in fp32, as in torch FSDP2 with the same policy."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layers=2)).to(nccl_world_of_one)
@@ -104,8 +114,6 @@ def test_bf16_mixed_precision_on_one_gpu_matches_torch_fsdp2(nccl_world_of_one, 
 
 def test_a_model_built_on_the_cpu_moves_to_the_mesh_device_as_in_torch_fsdp2(nccl_world_of_one, fresh_dynamo):
     """FSDP2's usual initialization: build on the CPU, and fully_shard moves parameters and buffers to the GPU."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layers=2))
     torch_model = copy.deepcopy(model)
@@ -128,8 +136,155 @@ def test_a_model_built_on_the_cpu_moves_to_the_mesh_device_as_in_torch_fsdp2(ncc
         torch.testing.assert_close(parameter.full_tensor(), theirs[name].full_tensor(), rtol=0, atol=0, msg=name)
 
 
-def test_cpu_offload_on_a_cuda_mesh_is_not_implemented(nccl_world_of_one):
-    from torch.distributed.fsdp import CPUOffloadPolicy
+def _offloaded_llama(shard, mp_policy, pin_memory: bool = True, n_layers: int = 2):
+    """The test Llama built on the CPU and sharded with CPUOffloadPolicy, blocks and root."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=n_layers))
+    offload_policy = CPUOffloadPolicy(pin_memory=pin_memory)
+    for block in model.layers:
+        shard(block, mp_policy=mp_policy, offload_policy=offload_policy)
+    shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
+    return model
 
-    with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): CPUOffloadPolicy on a cuda mesh"):
-        fully_shard(torch.nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+
+OFFLOAD_POLICIES = {
+    "fp32": MixedPrecisionPolicy(),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("policy", list(OFFLOAD_POLICIES))
+def test_cpu_offload_on_a_gpu_matches_torch_fsdp2(nccl_world_of_one, fresh_dynamo, policy):
+    """Sharded parameters, gradients and the optimizer's state in pinned CPU memory, compute on the GPU.
+
+    Eager and ``aot_eager`` against torch FSDP2 with the same policies, bitwise, every step
+    (``assert_close`` also compares devices: the gradients are on the CPU, as FSDP2's).
+    """
+    mp_policy = OFFLOAD_POLICIES[policy]
+    theirs = _offloaded_llama(torch_fully_shard, mp_policy)
+    models = [_offloaded_llama(fully_shard, mp_policy) for _ in range(2)]
+    for name, param in models[0].named_parameters():
+        assert param.device.type == "cpu" and param.to_local().is_pinned(), name
+    for name, buffer in models[0].named_buffers():
+        assert buffer.device == nccl_world_of_one, name
+    train_against_torch_fsdp2(
+        theirs, models, [None, "aot_eager"], lambda step: global_batch(step, 1, 2, 16, 1001).to(nccl_world_of_one)
+    )
+
+
+def test_cpu_offload_compiled_with_inductor_on_a_gpu(nccl_world_of_one, fresh_dynamo):
+    """Inductor's graphs copy the CPU shards to the GPU and the sharded gradients back: one graph, no break."""
+    theirs = _offloaded_llama(torch_fully_shard, MixedPrecisionPolicy(), pin_memory=False)
+    model = _offloaded_llama(fully_shard, MixedPrecisionPolicy(), pin_memory=False)
+    run = torch.compile(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, theirs)]
+    for step in range(3):
+        tokens = global_batch(step, 1, 2, 16, 1001).to(nccl_world_of_one)
+        losses = [lm_loss(forward, tokens) for forward in (run, theirs)]
+        for loss, optimizer in zip(losses, optimizers):
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=2e-5)
+    assert all(param.device.type == "cpu" for param in model.parameters())
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_cpu_offload_accumulating_without_sync_matches_torch_fsdp2(nccl_world_of_one, fresh_dynamo):
+    """The unsharded gradients accumulate on the GPU while sync is off; the sync micro-batch brings them to the CPU."""
+    theirs = _offloaded_llama(torch_fully_shard, MixedPrecisionPolicy())
+    models = [_offloaded_llama(fully_shard, MixedPrecisionPolicy()) for _ in range(2)]
+    runs = [models[0], torch.compile(models[1], backend="aot_eager")]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (theirs, *models)]
+    for step in range(2):
+        tokens = global_batch(step, 1, 4, 16, 1001).to(nccl_world_of_one)
+        for model, run in ((theirs, theirs), *zip(models, runs)):
+            for index, micro_batch in enumerate(tokens.chunk(2)):
+                model.set_requires_gradient_sync(index == 1)
+                (lm_loss(run, micro_batch) / 2).backward()
+        for model in models:
+            assert_gradients_match(model, theirs)
+        step_optimizers_and_compare(optimizers, models, theirs)
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] <= 2
+
+
+def test_cpu_offload_over_a_fake_group_of_two_gathers_what_it_gathers_without(fresh_dynamo):
+    """Compiled over a fake group of 2 on the GPU, offloaded shards issue the collectives and bytes of kept ones."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with FakeProcessGroup(2):
+        collectives = []
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = Llama(LlamaConfig(n_layers=2)).to(device)
+            policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+            for block in model.layers:
+                fully_shard(block, offload_policy=policy)
+            fully_shard(model, offload_policy=policy)
+            run = torch.compile(model)
+            for step in range(2):
+                collectives.append(counted_step(run, global_batch(step, 1, 2, 16, 1001).to(device)))
+            grads = [param.grad for param in model.parameters()]
+            assert all(grad.device.type == ("cpu" if offload else "cuda") for grad in grads)
+            torch._dynamo.reset()
+        assert collectives[:2] == collectives[2:], collectives
+        assert collectives[0][0]["all_gather"] > 0 and collectives[0][0]["reduce_scatter"] > 0, collectives
+
+
+def _copies(graph, source: str, target: str) -> list:
+    """The nodes of ``graph`` that copy a tensor on ``source`` to ``target`` (device types)."""
+
+    def device(node) -> str | None:
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return value.device.type if isinstance(value, torch.Tensor) else None
+
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function" and node.args and device(node.args[0]) == source and device(node) == target
+    ]
+
+
+def test_a_compiled_backward_copies_offloaded_shards_to_the_gpu_again(fresh_dynamo):
+    """A resharded group's backward copies its CPU shards to the GPU again, as FSDP2's does, instead of keeping them."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with FakeProcessGroup(2):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=2)).to(device)
+        for block in model.layers:
+            fully_shard(block, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        backend = CapturingBackend()
+        lm_loss(torch.compile(model, backend=backend.backend), global_batch(0, 1, 2, 16, 1001).to(device)).backward()
+    (forward,), (backward,) = backend.forward_graphs, backend.backward_graphs
+    shards = len(list(model.parameters()))
+    resharded = sum(len(list(block.parameters())) for block in model.layers)  # the root keeps its parameters
+    copies = ((forward, "cpu", "cuda"), (backward, "cpu", "cuda"), (backward, "cuda", "cpu"))
+    counts = [len(_copies(graph.graph, source, target)) for graph, source, target in copies]
+    print("host-to-device in forward, in backward; device-to-host in backward:", counts, shards, resharded)
+    assert counts == [shards, resharded, shards]
+
+
+def test_cpu_offload_of_an_all_gather_extension_is_refused(nccl_world_of_one):
+    from torch.distributed.tensor import DTensor
+
+    class Extended(torch.Tensor):
+        def fsdp_pre_all_gather(self, mesh):
+            return (self,), None
+
+        def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+            return outputs[0], outputs
+
+    linear = torch.nn.Linear(4, 4)
+    linear.weight = torch.nn.Parameter(linear.weight.detach().as_subclass(Extended))
+    assert not isinstance(linear.weight, DTensor)
+    with pytest.raises(NotImplementedError, match=r"'weight' has an all-gather extension .* does not offload"):
+        fully_shard(linear, offload_policy=CPUOffloadPolicy())
+
+
+def test_moving_an_offloaded_module_to_the_gpu_is_refused(nccl_world_of_one):
+    linear = fully_shard(torch.nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())
+    with pytest.raises(RuntimeError, match=r"'weight' was moved to cuda:0, but CPUOffloadPolicy keeps"):
+        linear.to(nccl_world_of_one)
