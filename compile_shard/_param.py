@@ -475,12 +475,6 @@ class FSDPParam:
                 f"Materialize it first, e.g. module.to_empty(device={home!r}) and then initialize "
                 "the values (reset_parameters() or load a state dict)"
             )
-        if self.offload_to_cpu and device.type != "cpu":
-            raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} is on {device}, but CPUOffloadPolicy keeps sharded parameters "
-                "in CPU memory, as in FSDP2. Materialize it on the CPU (module.to_empty(device='cpu') after "
-                "meta-device init, or load a CPU state dict)"
-            )
         if device.type != home:
             raise RuntimeError(
                 f"fully_shard: parameter {self.fqn!r} is on {device} but the mesh covers "
