@@ -172,6 +172,32 @@ def test_cpu_offload_on_a_gpu_matches_torch_fsdp2(nccl_world_of_one, fresh_dynam
     )
 
 
+def test_cpu_offload_of_a_model_built_on_meta_matches_torch_fsdp2(nccl_world_of_one, fresh_dynamo):
+    """FSDP2's recipe for a model too large to build: on meta, sharded, ``to_empty(device="cpu")``, then loaded."""
+    torch.manual_seed(0)
+    reference = Llama(LlamaConfig(n_layers=2))
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        with torch.device("meta"):
+            model = Llama(LlamaConfig(n_layers=2))
+        for block in model.layers:
+            shard(block, offload_policy=CPUOffloadPolicy())
+        shard(model, offload_policy=CPUOffloadPolicy())
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # one rank: each local tensor is the whole parameter
+            for name, param in model.named_parameters():
+                param.to_local().copy_(reference.get_parameter(name))
+        model.rope_cos = reference.rope_cos.to(nccl_world_of_one)
+        model.rope_sin = reference.rope_sin.to(nccl_world_of_one)
+        models.append(model)
+    ours, theirs = models
+    for name, param in ours.named_parameters():
+        assert param.device.type == "cpu" and param.to_local().is_pinned(), name
+    train_against_torch_fsdp2(
+        theirs, [ours], [None], lambda step: global_batch(step, 1, 2, 16, 1001).to(nccl_world_of_one)
+    )
+
+
 def test_cpu_offload_compiled_with_inductor_on_a_gpu(nccl_world_of_one, fresh_dynamo):
     """Inductor's graphs copy the CPU shards to the GPU and the sharded gradients back: one graph, no break."""
     theirs = _offloaded_llama(torch_fully_shard, MixedPrecisionPolicy(), pin_memory=False)
