@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import compile_shard
 from compile_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from compile_shard._param import _sharded_dtensor
 from compile_shard.debug import CollectiveCounter
 from compile_shard.models import Llama, LlamaConfig
 from dist_utils import (
@@ -609,6 +611,17 @@ def _cpu_offload_worker(rank, world_size, backend):
 def test_cpu_offload_on_a_cpu_mesh_matches_torch_fsdp2(backend):
     """On a CPU mesh everything already lives in CPU memory: CPUOffloadPolicy trains as FSDP2 trains with it."""
     run_gloo(_cpu_offload_worker, 2, backend)
+
+
+def test_a_shard_in_cpu_memory_stays_there_on_an_accelerator_mesh(fake_pg):
+    """[Note: CPU offload]: ``DTensor.from_local`` would copy an offloaded shard or gradient to the mesh's device.
+
+    The offload itself runs on a GPU (``tests/test_cuda.py``); a CUDA mesh is only metadata here.
+    """
+    local = torch.randn(3, 4)
+    sharded = _sharded_dtensor(local, DeviceMesh("cuda", [0, 1]), (Shard(0),), torch.Size((6, 4)), (4, 1))
+    assert sharded._local_tensor is local
+    assert sharded.device_mesh.device_type == "cuda" and sharded.shape == (6, 4) and sharded.placements == (Shard(0),)
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="pins memory where an accelerator is available")
