@@ -16,6 +16,9 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 - shard (``FSDPParam.shard``): a plain leaf tensor over the local tensor's storage;
   what the all-gather reads and what autograd gives the gradient to
   ([Note: the shard autograd sees]).
+- offloaded shard: with ``CPUOffloadPolicy`` on an accelerator's mesh, the padded
+  shard, the sharded parameter and its gradient live in CPU memory; the all-gather
+  reads a copy of the shard on the mesh's device ([Note: CPU offload]).
 - all-gather input: one group's shards cast to the wire dtype, flattened, padded to
   ``padded_rows`` and concatenated (the copy-in), inside ``fsdp::all_gather_into`` or,
   after ``lower``, in the graph.
