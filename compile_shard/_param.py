@@ -486,10 +486,9 @@ class FSDPParam:
 
     def _new_padded_shard(self, like: torch.Tensor) -> torch.Tensor:
         """Zeroed padded storage: in CPU memory with ``CPUOffloadPolicy``, pinned with its ``pin_memory``."""
-        if like.is_meta:
-            return like.new_zeros((self.padded_rows, *like.shape[1:]))
-        padded = like.new_zeros((self.padded_rows, *like.shape[1:]), device="cpu" if self.offload_to_cpu else None)
-        return padded.pin_memory() if self.pin_memory else padded
+        in_cpu_memory = self.offload_to_cpu and not like.is_meta
+        padded = like.new_zeros((self.padded_rows, *like.shape[1:]), device="cpu" if in_cpu_memory else None)
+        return padded.pin_memory() if self.pin_memory and not padded.is_meta else padded
 
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
