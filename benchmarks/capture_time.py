@@ -10,9 +10,14 @@ partitioner and the pass suite, as Inductor would see them, without Inductor's c
 generation (``cold_start.py`` measures a whole cold step). Each depth and mode runs in
 a fresh process, so no capture reuses another's caches; the rounds alternate them, as
 this machine's speed drifts within an hour, and the table holds the median per depth
-and mode: the capture's seconds, the part of them the pass suite took, and the ratio
-to the smallest depth of the same mode. ``--symbolic`` marks the sequence length
-dynamic, as Dynamo's recompile after a length changed does.
+and mode: the capture's seconds, the part of them the pass suite took, the region calls
+in the captured graphs, and the ratio to the smallest depth of the same mode.
+``--symbolic`` marks the sequence length dynamic, as Dynamo's recompile after a length
+changed does.
+
+The mode ``unsharded_regions`` is torch's own floor for the one-graph design: the same
+Llama without sharding, every block a ``torch.compiler.nested_compile_region``, captured
+the same way. What a sharded mode's capture adds to it per block is compile_shard's.
 """
 
 from __future__ import annotations
@@ -25,11 +30,11 @@ import subprocess
 import sys
 import time
 
-MODES = {"inlined": False, "regions": True}
+MODES = ("inlined", "regions", "unsharded_regions")
 
 
-def capture_seconds(layers: int, regions: bool, symbolic: bool = False) -> dict[str, float]:
-    """One capture in this process: its seconds, and those of the pass suite within it.
+def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str, float]:
+    """One capture in this process: its seconds, those of the pass suite within it, and its region calls.
 
     ``symbolic``: the sequence length symbolic, as in the recompile after it changed.
     """
@@ -63,9 +68,13 @@ def capture_seconds(layers: int, regions: bool, symbolic: bool = False) -> dict[
         config = LlamaConfig(n_layers=layers)
         torch.manual_seed(0)
         model = Llama(config)
-        for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+        if mode == "unsharded_regions":
+            block_class = type(model.layers[0])
+            block_class.forward = torch.compiler.nested_compile_region(block_class.forward)
+        else:
+            for block in model.layers:
+                fully_shard(block)
+            fully_shard(model)
         tokens = torch.randint(0, config.vocab_size, (2, 17))
 
         def loss_fn(compiled):
@@ -75,17 +84,20 @@ def capture_seconds(layers: int, regions: bool, symbolic: bool = False) -> dict[
             logits = compiled(inputs)
             return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
-        with passes.overridden(compile_regions=regions):
+        with passes.overridden(compile_regions=mode == "regions"):
             start = time.perf_counter()
-            dry_run.capture_step(model, loss_fn)
+            graphs = dry_run.capture_step(model, loss_fn)
             seconds = time.perf_counter() - start
     finally:
         dist.destroy_process_group()
-    return {"capture_s": seconds, "passes_s": suite_seconds}
+    region_calls = sum(
+        node.target is torch.ops.higher_order.invoke_subgraph for graph in graphs for node in graph.graph.nodes
+    )
+    return {"capture_s": seconds, "passes_s": suite_seconds, "region_calls": region_calls}
 
 
-def _in_fresh_process(layers: int, regions: bool, symbolic: bool) -> dict[str, float]:
-    command = [sys.executable, __file__, "--one", str(layers), "--regions" if regions else "--inlined"]
+def _in_fresh_process(layers: int, mode: str, symbolic: bool) -> dict[str, float]:
+    command = [sys.executable, __file__, "--one", str(layers), "--mode", mode]
     command += ["--symbolic"] if symbolic else []
     finished = subprocess.run(command, capture_output=True, text=True, check=False)
     if finished.returncode != 0:
@@ -96,26 +108,28 @@ def _in_fresh_process(layers: int, regions: bool, symbolic: bool) -> dict[str, f
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="8,16,32,64", help="comma-separated depths")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {sorted(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", help="also write the table here")
     parser.add_argument(
         "--symbolic", action="store_true", help="the sequence length symbolic, as in the recompile after it changed"
     )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a worker: one capture, JSON on stdout
-    parser.add_argument("--regions", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--inlined", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(capture_seconds(args.one, args.regions, args.symbolic)))
+        print(json.dumps(capture_seconds(args.one, args.mode, args.symbolic)))
         return
     depths = [int(layers) for layers in args.layers.split(",")]
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
     for _ in range(args.rounds):
         for layers in depths:
             for mode in modes:
-                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, MODES[mode], args.symbolic))
+                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, mode, args.symbolic))
     rows = []
     for mode in modes:
         smallest = None
@@ -128,13 +142,15 @@ def main(argv=None) -> None:
                     "layers": layers,
                     "capture_s": round(capture, 2),
                     "passes_s": round(statistics.median(run["passes_s"] for run in runs[mode, layers]), 2),
+                    "region_calls": runs[mode, layers][0]["region_calls"],
                     "vs_smallest": round(capture / smallest, 2),
                 }
             )
-    print("| mode | layers | capture (s) | pass suite (s) | vs the smallest depth |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| mode | layers | capture (s) | pass suite (s) | region calls | vs the smallest depth |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row['mode']} | {row['layers']} | {row['capture_s']} | {row['passes_s']} | {row['vs_smallest']}x |")
+        cells = [row["mode"], row["layers"], row["capture_s"], row["passes_s"], row["region_calls"]]
+        print("| " + " | ".join(str(cell) for cell in cells) + f" | {row['vs_smallest']}x |")
     if args.json:
         with open(args.json, "w") as file:
             table = {"world_size": 8, "dim": 64, "rounds": args.rounds, "symbolic": args.symbolic, "rows": rows}

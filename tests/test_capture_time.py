@@ -1,0 +1,33 @@
+"""benchmarks/capture_time.py at 3 layers: one fresh process per mode, and the region calls each mode captured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "capture_time.py"
+
+
+def test_each_mode_captures_its_own_region_calls(tmp_path):
+    """Inlined blocks call no region; compile_shard inlines the first block; torch's floor makes every block one."""
+    path = tmp_path / "capture.json"
+    command = [sys.executable, str(SCRIPT), "--layers", "3", "--json", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| unsharded_regions | 3 |" in result.stdout  # the table was printed
+    rows = {row["mode"]: row for row in json.loads(path.read_text())["rows"]}
+    # Forward and backward: blocks 2 and 3 with compile_shard's regions, all three blocks in torch's.
+    assert {mode: row["region_calls"] for mode, row in rows.items()} == {
+        "inlined": 0,
+        "regions": 4,
+        "unsharded_regions": 6,
+    }
+    assert rows["unsharded_regions"]["passes_s"] == 0  # nothing sharded: the pass suite never ran
+    assert all(row["capture_s"] > 0 and row["vs_smallest"] == 1.0 for row in rows.values())
+
+
+def test_unknown_modes_are_refused():
+    command = [sys.executable, str(SCRIPT), "--modes", "regions,per_block"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2 and "unknown mode(s) ['per_block']" in result.stderr
