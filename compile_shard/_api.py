@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule, skip_code
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
@@ -33,6 +34,8 @@ from .passes.settings import settings
 __all__ = ["FSDPModule", "fully_shard"]
 
 _STATE_ATTR = "_compile_shard_state"
+#: Where ``fully_shard`` keeps an ``OptimizedModule``'s ``forward`` ([Note: a block compiled on its own]).
+_COMPILED_FORWARD_ATTR = "_compile_shard_compiled_forward"
 
 
 class FSDPState:
@@ -231,6 +234,16 @@ class FSDPState:
                 state.group.finalize_backward()
 
 
+@torch._dynamo.disable(recursive=True)
+def _pre_forward_eagerly(state: FSDPState, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
+    return state.pre_forward(args, kwargs)
+
+
+@torch._dynamo.disable(recursive=True)
+def _post_forward_eagerly(state: FSDPState, output: Any, shown: list[FSDPParamGroup]) -> Any:
+    return state.post_forward(output, shown)
+
+
 def _cast_floating_tensors(dtype: torch.dtype, tree: Any) -> Any:
     return tree_map(
         lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x,
@@ -282,6 +295,37 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         return _user_class(cls)(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Dynamo never traces this frame on its own (``skip_code`` below); traced inside a frame, it inlines.
+
+        [Note: a block compiled on its own]
+        Torchtitan compiles each block on its own and runs the root eagerly. FSDP2's
+        hooks then run eagerly around each block's compiled forward, and all blocks of
+        a class share one graph. So do compile_shard's:
+        - Compiled after ``fully_shard`` (``block.compile()``, ``torch.compile(block)``),
+          Dynamo skips torch's ``_call_impl`` and would start at this frame. It skips it
+          too, so the sharding runs eagerly, and Dynamo starts at ``_user_forward``.
+          Gathering inside the block's graph instead would guard the graph on the
+          block's state: each block would compile anew, and past torch's recompile limit
+          (8) the rest would run uncompiled.
+        - Compiled before (torchtitan's order), the block is torch's ``OptimizedModule``,
+          whose ``forward`` is an instance attribute, the compiled call of the original
+          module: ``fully_shard`` moves it where ``_user_forward`` calls it.
+        - The root's frame is ``_sharded_forward``, which Dynamo traces: the one graph of
+          ``torch.compile(model)``, every block's forward inlined into it.
+        """
+        state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
+        if state.is_root or torch.compiler.is_compiling():
+            return self._sharded_forward(args, kwargs)
+        shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
+        return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
+
+    def _sharded_forward(self, args: tuple, kwargs: dict) -> Any:
+        """The forward between unshard and reshard; traced, the all-gathers and reductions are in the graph.
+
+        It reads the state through ``self``: Dynamo keeps the sizes of tensors reached
+        through a module static, where a recompile would make those of an argument's
+        symbolic (automatic dynamic).
+        """
         state = self._get_fsdp_state()
         shown, args, kwargs = state.pre_forward(args, kwargs)
         if state.compiles_as_region(args, kwargs):
@@ -291,7 +335,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         return state.post_forward(output, shown)
 
     def _user_forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward of the user's class, which the region calls."""
+        """The module's own forward, which the region calls: its class's, or the compiled one torch.compile set."""
+        compiled_forward = self.__dict__.get(_COMPILED_FORWARD_ATTR)
+        if compiled_forward is not None:
+            return compiled_forward(*args, **kwargs)
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> FSDPState:
@@ -565,6 +612,8 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 fsdp_param.reset_sharded_param()
         return result
 
+
+skip_code(FSDPModule.forward.__code__)  # [Note: a block compiled on its own]
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -990,6 +1039,8 @@ def fully_shard(
     sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
     for top in modules:
         top.__dict__[_STATE_ATTR] = state
+        if isinstance(top, OptimizedModule):  # compiled before fully_shard: [Note: a block compiled on its own]
+            top.__dict__[_COMPILED_FORWARD_ATTR] = top.__dict__.pop("forward")
         top.__class__ = _fsdp_class(type(top))
     if group is not None and not sharded_below and len(modules) == 1:
         state.region_changed()

@@ -1,0 +1,105 @@
+"""Torchtitan's per-block compile: each block compiled on its own, the root eager, against torch FSDP2 doing the same.
+
+The sharding runs eagerly around each block's compiled forward and every block shares
+one graph ([Note: a block compiled on its own] in compile_shard/_api.py).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from compile_shard import fully_shard
+from compile_shard.models import Llama, LlamaConfig
+from compile_shard.passes import ShardedGraphBreakWarning
+from dist_utils import (
+    assert_gradients_match,
+    counted_step,
+    global_batch,
+    run_gloo,
+    step_optimizers_and_compare,
+    train_against_torch_fsdp2,
+)
+
+CONFIG = LlamaConfig(n_layers=3)
+
+
+def _compiled_per_block(shard, order: str) -> Llama:
+    """A Llama sharded per block by ``shard``, each block compiled on its own in ``order`` (any other: uncompiled).
+
+    Every order compiles with ``fullgraph=True``, as torchtitan does.
+    """
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    for index, block in enumerate(model.layers):
+        if order == "torch_compile_then_shard":  # torchtitan's order
+            model.layers[index] = torch.compile(block, backend="aot_eager", fullgraph=True)
+        elif order == "block_compile_then_shard":
+            block.compile(backend="aot_eager", fullgraph=True)
+    for block in model.layers:
+        shard(block)
+    shard(model)
+    for index, block in enumerate(model.layers):
+        if order == "shard_then_block_compile":
+            block.compile(backend="aot_eager", fullgraph=True)
+        elif order == "shard_then_torch_compile":
+            model.layers[index] = torch.compile(block, backend="aot_eager", fullgraph=True)
+    return model
+
+
+def _train_against_torch_fsdp2(rank: int, world_size: int, order: str) -> None:
+    """At 3 ranks the oracle is compile_shard uncompiled: FSDP2 sums the ranks' gradients in another order.
+
+    See [Note: parity tolerance] in test_parity.py.
+    """
+    ours = _compiled_per_block(fully_shard, order)
+    theirs = _compiled_per_block(torch_fully_shard, order) if world_size == 2 else _compiled_per_block(fully_shard, "")
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, ours)]
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardedGraphBreakWarning)
+        for step in range(3):
+            tokens = global_batch(step, world_size, 2, 16, CONFIG.vocab_size).chunk(world_size)[rank]
+            collectives = counted_step(ours, tokens)
+            # One graph for the three blocks, then one for torch FSDP2's, and none after the first step.
+            assert counters["stats"]["unique_graphs"] == (1 if step == 0 or world_size == 3 else 2)
+            assert collectives == counted_step(theirs, tokens)
+            assert_gradients_match(ours, theirs)
+            step_optimizers_and_compare(optimizers, [ours], theirs)
+    assert counters["stats"]["unique_graphs"] == (2 if world_size == 2 else 1)
+
+
+@pytest.mark.parametrize(
+    "order, world_size",
+    [
+        ("torch_compile_then_shard", 2),
+        ("torch_compile_then_shard", 3),
+        ("block_compile_then_shard", 2),
+        ("shard_then_block_compile", 2),
+        ("shard_then_torch_compile", 2),
+    ],
+)
+def test_blocks_compiled_on_their_own_share_one_graph_and_match_torch_fsdp2(order, world_size):
+    """Collectives, gradients and parameters equal torch FSDP2's bitwise over 3 AdamW steps; no recompile.
+
+    At 3 ranks (uneven shards) they equal compile_shard's uncompiled run's instead.
+    Where both models compile the same block class (compiled before sharding), Dynamo
+    compiles its forward once per model, as the sharded block's class differs.
+    """
+    run_gloo(_train_against_torch_fsdp2, world_size, order)
+
+
+def _whole_model_over_compiled_blocks(rank: int, world_size: int) -> None:
+    theirs = _compiled_per_block(torch_fully_shard, "")
+    ours = _compiled_per_block(fully_shard, "shard_then_block_compile")
+    def tokens_for_step(step: int) -> torch.Tensor:
+        return global_batch(step, world_size, 2, 8, CONFIG.vocab_size).chunk(world_size)[rank]
+
+    train_against_torch_fsdp2(theirs, [ours], ["aot_eager"], tokens_for_step)
+
+
+def test_compiling_the_whole_model_traces_blocks_compiled_on_their_own_into_its_one_graph():
+    """``block.compile()`` and then ``torch.compile(model)``: one graph with every collective, FSDP2's numbers."""
+    run_gloo(_whole_model_over_compiled_blocks, 2)
