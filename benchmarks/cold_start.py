@@ -9,7 +9,8 @@ Issue 5 holds compile_shard's cold first step (compilation included) to 1.5x tha
 FSDP2 with per-block compile. This script separates what that ratio is made of: the
 cost of compiling the whole model instead of one block (``unsharded_compiled`` and
 ``unsharded_regions`` compile the model without any sharding) and what compile_shard
-adds on top of that (``cs_compiled``, ``cs_compiled_inlined``).
+adds on top of that (``cs_compiled``, ``cs_compiled_inlined``; ``cs_block_compiled`` is
+FSDP2's per-block recipe with compile_shard's ``fully_shard``).
 
 Every mode runs in a fresh Python process with an empty Inductor cache directory, so
 each one pays Inductor's CPU ISA probe and compiles every kernel, on rank 0 of a fake
@@ -91,6 +92,7 @@ MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
     "unsharded_regions": _build_unsharded_regions,
     "cs_compiled": _train_bench_mode("cs_compiled"),
     "cs_compiled_inlined": _train_bench_mode("cs_compiled_inlined"),
+    "cs_block_compiled": _train_bench_mode("cs_block_compiled"),
 }
 
 

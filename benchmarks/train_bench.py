@@ -20,6 +20,9 @@ batches, each mode in its own fresh processes, one mode after the other:
 - ``cs_compiled_inlined``: ``cs_compiled`` with ``settings.compile_regions`` off: every
   block inlined into the step's graph, the default until 2026-11-27 (results before
   then call this mode ``cs_compiled`` and the regions ``cs_compiled_regions``).
+- ``cs_block_compiled``: torchtitan's recipe with compile_shard: ``block.compile(fullgraph=True)``
+  for each block, then ``fully_shard`` per block and the root; the sharding runs eagerly
+  around the compiled blocks, as FSDP2's hooks do.
 - ``fsdp2_eager``: ``torch.distributed.fsdp.fully_shard`` per block, then the root.
 - ``fsdp2_block_compiled``: torchtitan's recipe, ``block.compile(fullgraph=True)`` for
   each block, then FSDP2's ``fully_shard`` per block and the root.
@@ -193,6 +196,12 @@ def _build_cs_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
     return torch.compile(_build_cs(model, ctx), backend=ctx.backend)
 
 
+def _build_cs_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
+    """``fsdp2_block_compiled``'s recipe with compile_shard's ``fully_shard``."""
+    _compile_blocks(model, ctx)
+    return _build_cs(model, ctx)
+
+
 def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
     for block in model.layers:
         torch_fully_shard(
@@ -201,10 +210,14 @@ def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
     return torch_fully_shard(model, mesh=ctx.mesh, mp_policy=ctx.mp_policy())
 
 
-def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
-    """torchtitan's order: compile each block first, then shard; FSDP2's hooks stay outside the graphs."""
+def _compile_blocks(model: Llama, ctx: BuildContext) -> None:
+    """torchtitan's order: each block compiled first, then sharded; the sharding stays outside the graphs."""
     for block in model.layers:
         block.compile(fullgraph=True, backend=ctx.backend)
+
+
+def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
+    _compile_blocks(model, ctx)
     return _build_fsdp2(model, ctx)
 
 
@@ -267,6 +280,7 @@ MODES = {
     "cs_compiled": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True),
     "cs_compiled_no_overlap": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, overlap_off=True),
     "cs_compiled_inlined": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=False),
+    "cs_block_compiled": Mode(_build_cs_block_compiled, compiled=True),
     "fsdp2_eager": Mode(_build_fsdp2),
     "fsdp2_block_compiled": Mode(_build_fsdp2_block_compiled, compiled=True),
     "ddp": Mode(_build_ddp, runs_on_fake_group=False),
