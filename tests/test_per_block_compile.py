@@ -24,15 +24,16 @@ from dist_utils import (
 )
 
 CONFIG = LlamaConfig(n_layers=3)
+CHECKPOINTED = LlamaConfig(n_layers=3, checkpoint_blocks=True)  # torchtitan: activation checkpointing, then compile
 
 
-def _compiled_per_block(shard, order: str) -> Llama:
+def _compiled_per_block(shard, order: str, config: LlamaConfig = CONFIG) -> Llama:
     """A Llama sharded per block by ``shard``, each block compiled on its own in ``order`` (any other: uncompiled).
 
     Every order compiles with ``fullgraph=True``, as torchtitan does.
     """
     torch.manual_seed(0)
-    model = Llama(CONFIG)
+    model = Llama(config)
     for index, block in enumerate(model.layers):
         if order == "torch_compile_then_shard":  # torchtitan's order
             model.layers[index] = torch.compile(block, backend="aot_eager", fullgraph=True)
@@ -49,19 +50,20 @@ def _compiled_per_block(shard, order: str) -> Llama:
     return model
 
 
-def _train_against_torch_fsdp2(rank: int, world_size: int, order: str) -> None:
+def _train_against_torch_fsdp2(rank: int, world_size: int, order: str, config: LlamaConfig) -> None:
     """At 3 ranks the oracle is compile_shard uncompiled: FSDP2 sums the ranks' gradients in another order.
 
     See [Note: parity tolerance] in test_parity.py.
     """
-    ours = _compiled_per_block(fully_shard, order)
-    theirs = _compiled_per_block(torch_fully_shard, order) if world_size == 2 else _compiled_per_block(fully_shard, "")
+    ours = _compiled_per_block(fully_shard, order, config)
+    oracle = (torch_fully_shard, order) if world_size == 2 else (fully_shard, "")
+    theirs = _compiled_per_block(*oracle, config)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, ours)]
     counters.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardedGraphBreakWarning)
         for step in range(3):
-            tokens = global_batch(step, world_size, 2, 16, CONFIG.vocab_size).chunk(world_size)[rank]
+            tokens = global_batch(step, world_size, 2, 16, config.vocab_size).chunk(world_size)[rank]
             collectives = counted_step(ours, tokens)
             # One graph for the three blocks, then one for torch FSDP2's, and none after the first step.
             assert counters["stats"]["unique_graphs"] == (1 if step == 0 or world_size == 3 else 2)
@@ -72,23 +74,25 @@ def _train_against_torch_fsdp2(rank: int, world_size: int, order: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "order, world_size",
+    "order, world_size, config",
     [
-        ("torch_compile_then_shard", 2),
-        ("torch_compile_then_shard", 3),
-        ("block_compile_then_shard", 2),
-        ("shard_then_block_compile", 2),
-        ("shard_then_torch_compile", 2),
+        pytest.param("torch_compile_then_shard", 2, CONFIG, id="torch_compile_then_shard"),
+        pytest.param("torch_compile_then_shard", 3, CONFIG, id="torch_compile_then_shard_uneven"),
+        pytest.param("torch_compile_then_shard", 2, CHECKPOINTED, id="torch_compile_then_shard_checkpointed"),
+        pytest.param("block_compile_then_shard", 2, CONFIG, id="block_compile_then_shard"),
+        pytest.param("shard_then_block_compile", 2, CONFIG, id="shard_then_block_compile"),
+        pytest.param("shard_then_block_compile", 2, CHECKPOINTED, id="shard_then_block_compile_checkpointed"),
+        pytest.param("shard_then_torch_compile", 2, CONFIG, id="shard_then_torch_compile"),
     ],
 )
-def test_blocks_compiled_on_their_own_share_one_graph_and_match_torch_fsdp2(order, world_size):
+def test_blocks_compiled_on_their_own_share_one_graph_and_match_torch_fsdp2(order, world_size, config):
     """Collectives, gradients and parameters equal torch FSDP2's bitwise over 3 AdamW steps; no recompile.
 
     At 3 ranks (uneven shards) they equal compile_shard's uncompiled run's instead.
     Where both models compile the same block class (compiled before sharding), Dynamo
     compiles its forward once per model, as the sharded block's class differs.
     """
-    run_gloo(_train_against_torch_fsdp2, world_size, order)
+    run_gloo(_train_against_torch_fsdp2, world_size, order, config)
 
 
 def _whole_model_over_compiled_blocks(rank: int, world_size: int) -> None:
