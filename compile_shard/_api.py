@@ -279,9 +279,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
     [Note: forward wrapper instead of hooks]
     FSDP2 unshards in a forward pre-hook. compile_shard wraps ``forward`` instead:
     ``torch.compile(model)`` runs the root module's hooks outside the compiled
-    frame (each becomes a graph of its own), while the root's ``forward`` is the
-    compiled frame itself. Wrapping ``forward`` puts the root's all-gather in the one
-    forward graph, and behaves the same in eager mode.
+    frame (each becomes a graph of its own), while the root's ``forward`` (through
+    ``_sharded_forward``, [Note: a block compiled on its own]) is the compiled frame
+    itself. Wrapping ``forward`` puts the root's all-gather in the one forward graph,
+    and behaves the same in eager mode.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
