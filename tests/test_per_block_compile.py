@@ -98,6 +98,7 @@ def test_blocks_compiled_on_their_own_share_one_graph_and_match_torch_fsdp2(orde
 def _whole_model_over_compiled_blocks(rank: int, world_size: int) -> None:
     theirs = _compiled_per_block(torch_fully_shard, "")
     ours = _compiled_per_block(fully_shard, "shard_then_block_compile")
+
     def tokens_for_step(step: int) -> torch.Tensor:
         return global_batch(step, world_size, 2, 8, CONFIG.vocab_size).chunk(world_size)[rank]
 
