@@ -61,12 +61,6 @@ PHASES = {
 }
 
 
-def _compile_blocks(model: nn.Module, backend: str) -> nn.Module:
-    for block in model.layers:
-        block.compile(fullgraph=True, backend=backend)
-    return model
-
-
 def _build_unsharded_regions(model: nn.Module, backend: str) -> nn.Module:
     """Every block traced once as a nested compile region (the class's forward, shared by all blocks)."""
     block_class = type(model.layers[0])
@@ -87,7 +81,7 @@ def _train_bench_mode(name: str) -> Callable[[nn.Module, str], nn.Module]:
 
 MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
     "fsdp2_block_compiled": _train_bench_mode("fsdp2_block_compiled"),
-    "unsharded_block_compiled": _compile_blocks,
+    "unsharded_block_compiled": train_bench.compile_blocks,
     "unsharded_compiled": lambda model, backend: torch.compile(model, backend=backend),
     "unsharded_regions": _build_unsharded_regions,
     "cs_compiled": _train_bench_mode("cs_compiled"),

@@ -198,8 +198,7 @@ def _build_cs_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
 
 def _build_cs_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
     """``fsdp2_block_compiled``'s recipe with compile_shard's ``fully_shard``."""
-    _compile_blocks(model, ctx)
-    return _build_cs(model, ctx)
+    return _build_cs(compile_blocks(model, ctx.backend), ctx)
 
 
 def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
@@ -210,15 +209,15 @@ def _build_fsdp2(model: Llama, ctx: BuildContext) -> nn.Module:
     return torch_fully_shard(model, mesh=ctx.mesh, mp_policy=ctx.mp_policy())
 
 
-def _compile_blocks(model: Llama, ctx: BuildContext) -> None:
-    """torchtitan's order: each block compiled first, then sharded; the sharding stays outside the graphs."""
+def compile_blocks(model: nn.Module, backend: str | Callable | None) -> nn.Module:
+    """torchtitan's order: each block compiled first (then sharded, the sharding outside the graphs)."""
     for block in model.layers:
-        block.compile(fullgraph=True, backend=ctx.backend)
+        block.compile(fullgraph=True, backend=backend)
+    return model
 
 
 def _build_fsdp2_block_compiled(model: Llama, ctx: BuildContext) -> nn.Module:
-    _compile_blocks(model, ctx)
-    return _build_fsdp2(model, ctx)
+    return _build_fsdp2(compile_blocks(model, ctx.backend), ctx)
 
 
 class _Autocast(nn.Module):
