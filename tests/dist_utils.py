@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.forkserver
@@ -47,6 +48,9 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    # A rank killed by a signal (a crash in native code) prints every thread's Python
+    # stack to the stderr pytest shows, where the test would only say which signal.
+    faulthandler.enable(all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
