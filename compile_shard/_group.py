@@ -669,7 +669,7 @@ class FSDPParamGroup:
             if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
-            self._live.append(weakref.ref(self.unsharded))
+            self._live = [ref for ref in self._live if ref() is not None] + [weakref.ref(self.unsharded)]
             self._watch_use(tensors)
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
@@ -806,8 +806,27 @@ class FSDPParamGroup:
         return tree_unflatten(flat, spec)
 
     def _register_post_backward(self, unsharded: UnshardedParams) -> None:
+        """Runs ``post_backward`` when the all-gather's backward has run.
+
+        [Note: no reference cycle through an autograd node]
+        Python's garbage collector does not look into autograd's C++ objects: a hook on
+        a node (``grad_fn.register_hook``) or a leaf's post-accumulate-grad hook that
+        reaches back to what holds the node or the leaf closes a cycle ``gc.collect()``
+        never frees. This hook lives on the all-gather's node, which the unsharded
+        parameters reach through their ``grad_fn``; holding ``unsharded`` or the group,
+        every forward's unsharded parameters, and with them the group, its sharded
+        parameters and the module, would outlive the model. It holds weak references
+        instead, as ``FSDPParam``'s hook on its shard does. Until its backward has run,
+        the forward's outputs keep ``unsharded`` alive through their pre-backward hooks
+        (``_register_pre_backward``), which the graph holds and which hold nothing that
+        holds the graph.
+        """
+        group_ref, unsharded_ref = weakref.ref(self), weakref.ref(unsharded)
+
         def hook(grad_inputs, grad_outputs):
-            self.post_backward(unsharded)
+            group, live = group_ref(), unsharded_ref()
+            if group is not None and live is not None:
+                group.post_backward(live)
 
         unsharded.all_gather_node.register_hook(hook)
 

@@ -348,7 +348,16 @@ class FSDPParam:
     def _new_shard(self) -> torch.Tensor:
         """See [Note: the shard autograd sees]."""
         shard = self.rows_of(self.local_tensor.detach()).requires_grad_(True)
-        shard.register_post_accumulate_grad_hook(self._accumulate_sharded_grad)
+        # Not the bound method: it would close a cycle through autograd's C++ hook list
+        # ([Note: no reference cycle through an autograd node] in compile_shard._group).
+        fsdp_param_ref = weakref.ref(self)
+
+        def accumulate_sharded_grad(shard: torch.Tensor) -> None:
+            fsdp_param = fsdp_param_ref()
+            if fsdp_param is not None:
+                fsdp_param._accumulate_sharded_grad(shard)
+
+        shard.register_post_accumulate_grad_hook(accumulate_sharded_grad)
         return shard
 
     def all_gather_shard(self) -> torch.Tensor:

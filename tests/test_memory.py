@@ -1,9 +1,14 @@
 """Eager memory semantics like FSDP2: unsharded storage freed after forward
-(when resharding) and after backward."""
+(when resharding) and after backward, and nothing a step or a dropped model leaves behind."""
+
+import gc
+import weakref
 
 import pytest
 import torch
 
+from compile_shard import fully_shard
+from compile_shard._group import FSDPParamGroup, UnshardedParams
 from compile_shard.debug import unsharded_bytes
 from compile_shard.models import LlamaConfig
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, reads_fake_reduce_scatter_output
@@ -118,3 +123,44 @@ def test_parameters_kept_after_backward_are_freed_by_reshard_and_never_under_a_p
         lm_loss(reference, tokens).backward()
     for (name, param), other in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=0, atol=1e-6, msg=name)
+
+
+def _alive(cls) -> int:
+    gc.collect()
+    return sum(isinstance(obj, cls) for obj in gc.get_objects())
+
+
+def _freezing_layers_1(module, **kwargs):
+    """``fully_shard`` that first freezes the Llama's second block: its group ends backward on its inputs."""
+    if module.__class__.__name__ == "Llama":
+        module.layers[1].requires_grad_(False)
+    return fully_shard(module, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "shard, reshard",
+    [(fully_shard, None), (fully_shard, False), (_freezing_layers_1, None)],
+    ids=["default", "reshard_false", "frozen_block"],
+)
+def test_steps_leave_no_unsharded_parameters_and_a_dropped_model_is_freed(shard, reshard):
+    """No reference cycle through an autograd node outlives a step or the model.
+
+    Python's garbage collector does not look into autograd's C++ nodes and hook lists:
+    a hook holding what holds its node leaked every step's unsharded parameters, and
+    the model with them ([Note: no reference cycle through an autograd node] in
+    compile_shard._group).
+    """
+    groups_before = _alive(FSDPParamGroup)
+    model, _ = build_sharded_llama(CONFIG, block_reshard=reshard, root_reshard=reshard, shard=shard)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        optimizer.zero_grad()
+        lm_loss(model, tokens).backward()
+        optimizer.step()
+        assert _alive(UnshardedParams) == 0
+    model_ref = weakref.ref(model)
+    del model, optimizer
+    gc.collect()
+    assert model_ref() is None
+    assert _alive(FSDPParamGroup) == groups_before
