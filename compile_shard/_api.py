@@ -312,10 +312,17 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
           whose ``forward`` is an instance attribute, the compiled call of the original
           module: ``fully_shard`` moves it where ``_user_forward`` calls it.
         - The root's frame is ``_sharded_forward``, which Dynamo traces: the one graph of
-          ``torch.compile(model)``, every block's forward inlined into it.
+          ``torch.compile(model)``, every block's forward inlined into it. A root compiled
+          before ``fully_shard`` compiles that frame with its own compile options, so it
+          makes the same graph; run eagerly instead, it would gather its own parameters
+          outside the graph of its compiled forward.
         """
         state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
-        if state.is_root or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            return self._sharded_forward(args, kwargs)
+        if state.is_root:
+            if isinstance(self, OptimizedModule):
+                return self.dynamo_ctx(self._sharded_forward)(args, kwargs)
             return self._sharded_forward(args, kwargs)
         shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
         return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)

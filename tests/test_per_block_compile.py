@@ -1,17 +1,21 @@
-"""Torchtitan's per-block compile: each block compiled on its own, the root eager, against torch FSDP2 doing the same.
+"""Modules compiled on their own, before or after fully_shard, against torch FSDP2.
 
-The sharding runs eagerly around each block's compiled forward and every block shares
-one graph ([Note: a block compiled on its own] in compile_shard/_api.py).
+Torchtitan's per-block compile: each block compiled on its own, the root eager. The
+sharding runs eagerly around each block's compiled forward and every block shares one
+graph ([Note: a block compiled on its own] in compile_shard/_api.py). A root compiled
+before fully_shard compiles every block into one graph.
 """
 
+import copy
 import warnings
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import clear_compilation_metrics, counters
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
+from compile_shard.debug import recompiles
 from compile_shard.models import Llama, LlamaConfig
 from compile_shard.passes import ShardedGraphBreakWarning
 from dist_utils import (
@@ -108,3 +112,41 @@ def _whole_model_over_compiled_blocks(rank: int, world_size: int) -> None:
 def test_compiling_the_whole_model_traces_blocks_compiled_on_their_own_into_its_one_graph():
     """``block.compile()`` and then ``torch.compile(model)``: one graph with every collective, FSDP2's numbers."""
     run_gloo(_whole_model_over_compiled_blocks, 2)
+
+
+def _root_compiled_before_fully_shard(rank: int, world_size: int) -> None:
+    """The oracle runs uncompiled: compiled too, FSDP2's hooks break its graph in the loop over the blocks,
+    and Dynamo then runs ``Llama.forward`` eagerly for both models, which share its code."""
+    torch.manual_seed(0)
+    ours = Llama(CONFIG)
+    theirs = copy.deepcopy(ours)
+    for block in ours.layers:
+        fully_shard(block)
+    ours = fully_shard(torch.compile(ours, backend="aot_eager", fullgraph=True))
+    for block in theirs.layers:
+        torch_fully_shard(block)
+    torch_fully_shard(theirs)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (theirs, ours)]
+    clear_compilation_metrics()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ShardedGraphBreakWarning)
+        for step in range(3):
+            tokens = global_batch(step, world_size, 2, 16, CONFIG.vocab_size).chunk(world_size)[rank]
+            (gathers, gathered_bytes), (torch_gathers, torch_gathered_bytes) = (
+                counted_step(ours, tokens),
+                counted_step(theirs, tokens),
+            )
+            assert (gathers["all_gather"], gathered_bytes["all_gather"]) == (
+                torch_gathers["all_gather"],
+                torch_gathered_bytes["all_gather"],
+            )
+            assert_gradients_match(ours, theirs)
+            step_optimizers_and_compare(optimizers, [ours], theirs)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+
+
+def test_a_root_compiled_before_fully_shard_compiles_its_blocks_into_one_graph():
+    """``fully_shard(torch.compile(model, fullgraph=True))``: one graph with every group's collectives, the
+    root's too; all-gathers, gradients and parameters equal FSDP2's bitwise over 3 steps."""
+    run_gloo(_root_compiled_before_fully_shard, 2)
