@@ -133,14 +133,11 @@ def _root_compiled_before_fully_shard(rank: int, world_size: int) -> None:
         warnings.simplefilter("error", ShardedGraphBreakWarning)
         for step in range(3):
             tokens = global_batch(step, world_size, 2, 16, CONFIG.vocab_size).chunk(world_size)[rank]
-            (gathers, gathered_bytes), (torch_gathers, torch_gathered_bytes) = (
-                counted_step(ours, tokens),
-                counted_step(theirs, tokens),
-            )
-            assert (gathers["all_gather"], gathered_bytes["all_gather"]) == (
-                torch_gathers["all_gather"],
-                torch_gathered_bytes["all_gather"],
-            )
+            # Only the all-gathers compare: on gloo the compiled backward reduces by all-to-all.
+            counts, nbytes = counted_step(ours, tokens)
+            torch_counts, torch_nbytes = counted_step(theirs, tokens)
+            assert counts["all_gather"] == torch_counts["all_gather"]
+            assert nbytes["all_gather"] == torch_nbytes["all_gather"]
             assert_gradients_match(ours, theirs)
             step_optimizers_and_compare(optimizers, [ours], theirs)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
