@@ -318,11 +318,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
           outside the graph of its compiled forward.
         """
         state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
-        if torch.compiler.is_compiling():
-            return self._sharded_forward(args, kwargs)
-        if state.is_root:
-            if isinstance(self, OptimizedModule):
-                return self.dynamo_ctx(self._sharded_forward)(args, kwargs)
+        compiling = torch.compiler.is_compiling()
+        if state.is_root and not compiling and isinstance(self, OptimizedModule):
+            return self.dynamo_ctx(self._sharded_forward)(args, kwargs)
+        if state.is_root or compiling:
             return self._sharded_forward(args, kwargs)
         shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
         return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
