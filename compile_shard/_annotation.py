@@ -57,6 +57,13 @@ class GroupAnnotation:
     # outputs the group keeps for the next forward, not a graph break's ([Note: unsharded
     # parameters kept after backward] in compile_shard._group).
     kept_after_backward: bool = False
+    # FSDP2's MixedPrecisionPolicy as the graph must show it ([Note: mixed-precision
+    # dtypes] in passes.verify), as ``str(dtype)``: what each all-gather output may be,
+    # what the unsharded gradients are computed in, and what they are reduced in.
+    # Empty or None where all-gather extensions decide them.
+    all_gather_dtypes: tuple[str, ...] = ()
+    gradient_dtype: str | None = None
+    reduction_dtype: str | None = None
 
 
 _ANNOTATION_FIELDS = tuple(field.name for field in dataclasses.fields(GroupAnnotation))

@@ -656,7 +656,18 @@ class FSDPParamGroup:
             else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
             reduce_scatter_unused_params=self.reduce_scatter_unused_params,
             kept_after_backward=not self.reshard_after_backward,
+            **self._dtype_annotation(),
         )
+
+    def _dtype_annotation(self) -> dict[str, Any]:
+        if self.has_extensions:  # the extension's pre- and post-all-gather decide the dtypes
+            return {}
+        wire_dtypes = [_wire_dtype(self.fsdp_params[part.indices[0]], self.mp_policy) for part in self.all_gather_parts]
+        return {
+            "all_gather_dtypes": tuple(str(dtype) for dtype in wire_dtypes),
+            "gradient_dtype": str(self.gradient_dtype),
+            "reduction_dtype": str(self.reduction_dtype),
+        }
 
     # Lifecycle --------------------------------------------------------------------
 

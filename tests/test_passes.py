@@ -704,6 +704,56 @@ def test_verify_rejects_out_of_order_nodes():
         verify(graph_module.graph)
 
 
+# A bf16 policy with fp32 reduction, as the runtime annotates its groups.
+_BF16_POLICY = {
+    "all_gather_dtypes": ("torch.bfloat16",),
+    "gradient_dtype": "torch.bfloat16",
+    "reduction_dtype": "torch.float32",
+}
+
+
+def _laid_out_reduction_input(grad_dtype, input_dtype, **dtypes):
+    """A group's reduction input laid out from two unsharded gradients, annotated with ``dtypes``."""
+    graph_module = trace(
+        lambda grad_w, grad_b: torch.ops.fsdp.reduce_scatter_input([grad_w, grad_b], WORLD, input_dtype),
+        torch.randn(6, 4, dtype=grad_dtype),
+        torch.randn(4, dtype=grad_dtype),
+    )
+    (node,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    write_group_annotation(node, make_annotation("blocks.0", **dtypes))
+    return graph_module.graph
+
+
+def test_verify_accepts_the_policy_dtypes():
+    verify(_laid_out_reduction_input(torch.bfloat16, torch.float32, **_BF16_POLICY))
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, input_dtype, message",
+    [
+        (torch.float32, torch.float32, r"unsharded gradients in \['torch.float32'\], the policy's torch.bfloat16"),
+        (torch.bfloat16, torch.bfloat16, "reduction input in torch.bfloat16, the policy's torch.float32"),
+    ],
+    ids=["gradient_computed_in_fp32", "reduced_in_bf16"],
+)
+def test_verify_rejects_a_reduction_off_the_policy_dtypes(grad_dtype, input_dtype, message):
+    with pytest.raises(GraphInvariantError, match=f"group 'blocks.0': {message}"):
+        verify(_laid_out_reduction_input(grad_dtype, input_dtype, **_BF16_POLICY))
+
+
+def test_verify_rejects_an_all_gather_off_the_policy_dtype():
+    graph_module = trace(_gather_and_use, *_shards())  # fp32 shards, gathered uncast
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    write_group_annotation(gather, make_annotation("blocks.0", **_BF16_POLICY))
+    with pytest.raises(GraphInvariantError, match=r"all-gather output in torch.float32, the policy's \('torch.bfloat16',\)"):
+        verify(graph_module.graph)
+
+
+def test_verify_leaves_groups_without_policy_dtypes_alone():
+    """All-gather extensions decide their own dtypes: the runtime annotates none."""
+    verify(_laid_out_reduction_input(torch.float32, torch.bfloat16))
+
+
 def test_the_suite_verifies_after_each_pass_and_blames_the_one_that_broke_an_invariant(monkeypatch):
     install = importlib.import_module("compile_shard.passes.install")  # the package's ``install`` is the function
 
