@@ -1,4 +1,10 @@
-"""A small Llama-style decoder for the demo, the tests and the benchmarks (no downloads)."""
+"""Small decoders for the demo, the tests, the examples and the benchmarks (no downloads).
+
+``Llama``: RMSNorm, RoPE, SwiGLU, tied embedding. ``GPT``: the nanoGPT-style model of
+torch's FSDP2 tutorial (LayerNorm, biased linear layers, GELU, learned position
+embeddings), whose layer-norm and embedding gradients are reductions that eager CPU
+bf16 kernels and Inductor round differently (docs/torch-2.13-findings.md).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LlamaConfig", "Llama", "TransformerBlock", "tensor_parallel_plan"]
+__all__ = ["GPT", "GPTBlock", "GPTConfig", "LlamaConfig", "Llama", "TransformerBlock", "tensor_parallel_plan"]
 
 
 @dataclass
@@ -124,6 +130,68 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 1024
+    dim: int = 16
+    n_layers: int = 2
+    n_heads: int = 4
+    max_seq_len: int = 64
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(config.dim, config.dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (proj(x).unflatten(-1, (self.n_heads, -1)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(-2))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(config.dim)
+        self.attention = GPTAttention(config)
+        self.ffn_norm = nn.LayerNorm(config.dim)
+        self.w1 = nn.Linear(config.dim, 4 * config.dim)
+        self.w2 = nn.Linear(4 * config.dim, config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.w2(F.gelu(self.w1(self.ffn_norm(h))))
+
+
+class GPT(nn.Module):
+    """Learned token and position embeddings, LayerNorm blocks with a GELU MLP, an untied output layer.
+
+    ``reset_parameters`` re-initializes every layer with its own defaults, so a model
+    built on the meta device and materialized with ``to_empty`` gets values.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.pos_embeddings = nn.Embedding(config.max_seq_len, config.dim)
+        self.layers = nn.ModuleList(GPTBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+                module.reset_parameters()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)).float()
 
 
 def tensor_parallel_plan() -> dict[str, ParallelStyle]:
