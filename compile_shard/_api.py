@@ -783,14 +783,27 @@ def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str,
                 "RowwiseParallel make them). Parallelize the module with such a plan first"
             )
         tp_dims, dp_dims = tp_mesh.mesh_dim_names, mesh.mesh_dim_names
-        same_root = tp_mesh._get_root_mesh() is mesh._get_root_mesh()
-        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or not same_root:
+        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or not _joins(mesh, tp_mesh):
             raise ValueError(
                 f"fully_shard({label}): parameter {fqn!r} is a DTensor on the mesh {tp_dims}, which is not another "
                 f"dim of the data-parallel mesh {dp_dims}'s named mesh. Slice both from one mesh, e.g. "
                 "world_mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
                 "parallelize_module(..., world_mesh['tp'], plan) and fully_shard(..., mesh=world_mesh['dp'])"
             )
+
+
+def _joins(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
+    """Whether ``DeviceMesh._concatenate`` joins the meshes: FSDP2's own test of a tensor-parallel mesh.
+
+    It compares the ranks both meshes lie over and that their dims do not overlap, not
+    the root mesh objects: two equal meshes made one after the other (a test suite, a
+    notebook, a restart inside one process) have two roots.
+    """
+    try:
+        DeviceMesh._concatenate([mesh, tp_mesh])
+    except RuntimeError:
+        return False
+    return True
 
 
 def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any) -> None:

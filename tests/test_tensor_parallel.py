@@ -117,6 +117,36 @@ def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
     assert backward_counts["all_reduce"] == 5 * CONFIG.n_layers  # the inputs of the five column-parallel linears
 
 
+def _equal_meshes_worker(rank, world_size, shape):
+    """A second (dp, tp) mesh equal to the first, after another model trained on the first: FSDP2's parity.
+
+    ``init_device_mesh`` makes a new root mesh object each time; FSDP2 accepts any TP
+    mesh it can join to the data-parallel one, as test suites, notebooks and restarts
+    inside one process make them.
+    """
+    first = _mesh(shape)
+    earlier = build_tensor_parallel_llama(CONFIG, first)
+    counted_step(earlier, global_batch(0, 1, 2, 8, CONFIG.vocab_size))
+    replicated = distribute_tensor(torch.ones(4, 4), first["tp"], [Replicate()])
+    assert torch.equal(replicated.redistribute(first["tp"], [Shard(0)]).full_tensor(), torch.ones(4, 4))
+    second = _mesh(shape)
+    assert second["tp"]._get_root_mesh() is not first["tp"]._get_root_mesh()
+    theirs = build_tensor_parallel_llama(CONFIG, second, shard=torch_fully_shard)
+    models = [build_tensor_parallel_llama(CONFIG, second) for _ in range(2)]
+    data_parallel_rank = rank // shape[-1]
+
+    def tokens_for_step(step):
+        tokens = global_batch(step, world_size // shape[-1], 2, 8, CONFIG.vocab_size)
+        return tokens[2 * data_parallel_rank : 2 * data_parallel_rank + 2]
+
+    train_against_torch_fsdp2(theirs, models, (None, "aot_eager"), tokens_for_step)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
+def test_a_second_equal_mesh_in_one_process_matches_torch_fsdp2(shape):
+    run_gloo(_equal_meshes_worker, math.prod(shape), shape)
+
+
 def _exchange_worker(rank, world_size, folder):
     """compile_shard at (1, 2) saves, torch FSDP2 at (2, 1) loads, and back: every parameter exact."""
     ours = build_tensor_parallel_llama(CONFIG, _mesh((1, 2)), seed=0)
@@ -138,9 +168,10 @@ def test_unsupported_tensor_parallel_placements_name_the_parameter_and_the_fix()
         partial.weight = torch.nn.Parameter(DTensor.from_local(partial.weight.detach(), mesh["tp"], [Partial()]))
         with pytest.raises(NotImplementedError, match=r"fully_shard\(Linear\): parameter 'weight' .*Partial"):
             fully_shard(partial, mesh=mesh["dp"])
-        other_root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # A TP mesh over all four ranks overlaps the data-parallel dim: FSDP2's DeviceMesh._concatenate refuses it.
+        overlapping = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
         elsewhere = torch.nn.Linear(4, 4)
-        replicated = distribute_tensor(elsewhere.weight.detach(), other_root["tp"], [Replicate()])
+        replicated = distribute_tensor(elsewhere.weight.detach(), overlapping, [Replicate()])
         elsewhere.weight = torch.nn.Parameter(replicated)
         with pytest.raises(ValueError, match=r"parameter 'weight' is a DTensor on the mesh \('tp',\).*Slice both"):
             fully_shard(elsewhere, mesh=mesh["dp"])
