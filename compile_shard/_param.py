@@ -160,6 +160,12 @@ def _sharded_dtensor(
     return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)
 
 
+def _adopting_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict``'s post-hook on every module that uses a sharded parameter."""
+    for fsdp_param in getattr(module, _MANAGED_ATTR, {}).values():
+        fsdp_param.adopt_loaded_param()
+
+
 def _has_all_gather_extension(local_tensor: torch.Tensor, fqn: str) -> bool:
     """Whether the parameter's local tensor implements FSDP2's all-gather extension protocol."""
     has_pre = hasattr(local_tensor, "fsdp_pre_all_gather")
@@ -202,8 +208,18 @@ class FSDPParam:
     (``all_gather_shard``), a read that Dynamo guards, so freezing a parameter after
     ``fully_shard`` recompiles instead of computing its gradient. ``shard`` follows
     the local tensor through ``reset_sharded_param``; a local tensor replaced any
-    other way (``load_state_dict(assign=True)``, ``param.data = ...``) is not seen,
-    as with FSDP2.
+    other way (``param.data = ...``) is not seen, as with FSDP2.
+
+    [Note: a sharded parameter assigned by load_state_dict]
+    ``load_state_dict(state_dict, assign=True)`` puts the state dict's own parameters
+    into the modules: FSDP2's tutorial loads a checkpoint into a model built on meta
+    that way, from DTensors made with ``distribute_tensor(full, mesh, placements)`` of
+    the sharded parameters. As in FSDP2 (a post-load hook per module), the new
+    parameter then becomes the sharded parameter (``adopt_loaded_param``): it must have
+    the sharded parameter's mesh, placements and shape; its values are copied into
+    fresh padded storage by ``reset_sharded_param``, and every module that shares the
+    parameter gets it, so tied weights stay tied. An optimizer built before the load
+    holds the replaced parameters, as with FSDP2: build it after loading.
 
     [Note: sharding on another dim]
     FSDP2's ``shard_placement_fn`` may shard a parameter on a dim ``d > 0``. Everything
@@ -327,6 +343,7 @@ class FSDPParam:
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
+            usage.module.register_load_state_dict_post_hook(_adopting_loaded_params)
 
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` with the shard dim first, or back: a transposed view ([Note: sharding on another dim])."""
@@ -498,6 +515,44 @@ class FSDPParam:
         in_cpu_memory = self.offload_to_cpu and not like.is_meta
         padded = like.new_zeros((self.padded_rows, *like.shape[1:]), device="cpu" if in_cpu_memory else None)
         return padded.pin_memory() if self.pin_memory and not padded.is_meta else padded
+
+    def adopt_loaded_param(self) -> None:
+        """See [Note: a sharded parameter assigned by load_state_dict]."""
+        loaded = next(
+            (
+                param
+                for usage in self.usages
+                if (param := usage.module._parameters.get(usage.name)) is not self.sharded_param
+            ),
+            None,
+        )
+        if loaded is None:
+            return
+        sharded = self.sharded_param
+        if not (
+            isinstance(loaded, DTensor)
+            and loaded.device_mesh == self.sharded_mesh
+            and loaded.placements == self.placements
+            and (loaded.shape, loaded.dtype) == (sharded.shape, sharded.dtype)
+        ):
+            expected = (
+                f"a {sharded.dtype} DTensor of shape {tuple(sharded.shape)} on the mesh "
+                f"{self.sharded_mesh.mesh_dim_names or tuple(self.sharded_mesh.shape)} with placements {self.placements}"
+            )
+            found = f"a {loaded.dtype} {type(loaded).__name__} of shape {tuple(loaded.shape)}"
+            if isinstance(loaded, DTensor):
+                found += f" with placements {loaded.placements}"
+            raise ValueError(
+                f"load_state_dict(assign=True): parameter {self.fqn!r} must be {expected}, got {found}. Make it "
+                "from the full tensor with distribute_tensor(full, param.device_mesh, param.placements) of the "
+                "sharded parameter (model.state_dict()), or load with assign=False"
+            )
+        if not isinstance(loaded, nn.Parameter):
+            loaded = nn.Parameter(loaded, requires_grad=sharded.requires_grad)
+        self.sharded_param = loaded
+        for usage in self.usages:
+            usage.module._parameters[usage.name] = loaded
+        self.reset_sharded_param()
 
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""

@@ -299,3 +299,85 @@ def _dim_1_exchange_worker(rank, world_size, folder):
 def test_dcp_exchange_of_parameters_sharded_on_dim_1_with_torch_fsdp2(tmp_path):
     """Recipe 5 with Shard(1) parameters: transposed local tensors here ([Note: sharding on another dim])."""
     run_gloo(_dim_1_exchange_worker, 2, str(tmp_path))
+
+
+# Every path FSDP2 loads a model state dict through, eager and into a model already
+# compiled and stepped, against torch FSDP2 making the same calls.
+
+
+def _load_full(model, full: dict, how: str, rank: int) -> None:
+    """Loads the full state dict ``full`` into the sharded ``model`` the way ``how`` names."""
+    if how == "set_model_state_dict":
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    elif how == "broadcast_from_rank0":
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full if rank == 0 else {}, options=options)
+    else:  # DTensors of the sharded parameters' layout, copied in or assigned (FSDP2's tutorial)
+        sharded = {
+            name: distribute_tensor(full[name], param.device_mesh, param.placements)
+            for name, param in model.state_dict().items()
+        }
+        assign = how == "load_state_dict_assign"
+        if assign:
+            sharded = {name: torch.nn.Parameter(tensor) for name, tensor in sharded.items()}
+        model.load_state_dict(sharded, strict=False, assign=assign)
+
+
+def _state_dict_load_worker(rank, world_size, how, backend):
+    """Ours (run by ``backend``) and torch FSDP2 (eager) train, load the same full state dict, train on: bitwise."""
+    from dist_utils import assert_gradients_match, counted_step
+
+    models = {impl: build_sharded_llama(CONFIG, shard=SHARD[impl])[0] for impl in SHARD}
+    runs = dict(models)
+    if backend is not None:
+        runs["compile_shard"] = torch.compile(models["compile_shard"], backend=backend)
+    full = {name: 2 * tensor for name, tensor in Llama(CONFIG).state_dict().items()}  # values neither trained to
+
+    def train(steps: range, optimizers) -> None:
+        for step in steps:
+            tokens = global_batch(step, world_size, BATCH_PER_RANK, SEQ, CONFIG.vocab_size)
+            tokens = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+            for run in runs.values():
+                counted_step(run, tokens)
+            assert_gradients_match(models["compile_shard"], models["torch_fsdp2"])
+            for optimizer in optimizers.values():
+                optimizer.step()
+                optimizer.zero_grad()
+
+    optimizers = {impl: torch.optim.AdamW(model.parameters(), lr=LR) for impl, model in models.items()}
+    train(range(2), optimizers)
+    for model in models.values():
+        _load_full(model, dict(full), how, rank)  # set_model_state_dict writes into the dict it gets
+    for impl, model in models.items():
+        for name, param in model.named_parameters():
+            assert isinstance(param, torch.nn.Parameter) and isinstance(param, DTensor), (impl, name, type(param))
+            assert torch.equal(param.full_tensor(), full[name]), (impl, name)
+    if how == "load_state_dict_assign":  # the parameters were replaced: a new optimizer, as with FSDP2
+        optimizers = {impl: torch.optim.AdamW(model.parameters(), lr=LR) for impl, model in models.items()}
+    train(range(2, 4), optimizers)
+    for name, param in models["compile_shard"].named_parameters():
+        other = dict(models["torch_fsdp2"].named_parameters())[name]
+        assert torch.equal(param.full_tensor(), other.full_tensor()), name
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "set_model_state_dict",
+        pytest.param("broadcast_from_rank0", marks=needs_numpy),
+        "load_state_dict_copy",
+        "load_state_dict_assign",
+    ],
+)
+def test_loading_a_full_state_dict_into_a_trained_model_matches_torch_fsdp2(how, backend):
+    run_gloo(_state_dict_load_worker, 2, how, backend)
+
+
+def test_assigning_a_plain_tensor_to_a_sharded_parameter_names_it_and_the_fix():
+    from dist_utils import FakeProcessGroup
+
+    with FakeProcessGroup(2):
+        model = fully_shard(torch.nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"parameter 'weight' must be a torch.float32 DTensor .* distribute_tensor"):
+            model.load_state_dict({"weight": torch.zeros(4, 4)}, strict=False, assign=True)
