@@ -56,7 +56,12 @@ def warn_if_partial(graph: fx.Graph) -> bool:
         if leaked:
             details.append(f"the unsharded parameters of {leaked} leave this graph as outputs")
         if missing:
-            details.append(f"this graph holds the all-gathers of {sorted(present)} but not of {missing}")
+            details.append(
+                f"this graph holds the all-gathers of {sorted(present)} but not of {missing} (a graph break, or "
+                f"{missing} gathered before the compiled forward by FSDPModule.unshard(): their collectives then "
+                "run eagerly, outside the graphs; compiled graphs prefetch by themselves, so call unshard() in "
+                "eager mode only)"
+            )
         reasons = "; ".join(reason.split("\n")[0] for reason in counters["graph_break"]) or "see TORCH_LOGS=graph_breaks"
         warnings.warn(
             f"compile_shard: torch.compile split the sharded model across graphs: {'; '.join(details)}. "
