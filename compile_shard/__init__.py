@@ -12,6 +12,7 @@ from torch.distributed.fsdp import (
 from . import ops
 from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
+from ._stand_in import as_torch_fully_shard
 
 # torch's own MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, UnshardHandle, register_fsdp_forward_method
 # and share_comm_ctx: they work on compile_shard's modules, which are torch FSDPModules.
@@ -22,6 +23,7 @@ __all__ = [
     "OffloadPolicy",
     "RegionInlinedWarning",
     "UnshardHandle",
+    "as_torch_fully_shard",
     "fully_shard",
     "ops",
     "register_fsdp_forward_method",
