@@ -5,6 +5,7 @@
     python benchmarks/profile_step.py --mode ddp_compiled --config A
     python benchmarks/profile_step.py --mode cs_compiled_inlined   # settings.compile_regions off
     python benchmarks/profile_step.py --mode cs_compiled --config A --no-reshard-after-forward
+    python benchmarks/profile_step.py --mode cs_compiled --mp bf16   # bf16 parameters, fp32 reductions
 
 Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
 it like ``train_bench.py`` does for the mode, runs two warm-up steps (compilation included) and profiles three
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
@@ -37,15 +39,16 @@ COMMUNICATION = (
 )
 
 
-def _build(mode: str, config, reshard_after_forward: bool) -> torch.nn.Module:
+def _build(mode: str, config, reshard_after_forward: bool, mp: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Llama(config)
     if mode == "ddp_compiled":
         return torch.compile(DistributedDataParallel(model))
     shard = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" else None
     for block in model.layers:
-        shard(block, reshard_after_forward=reshard_after_forward)
-    shard(model)
+        shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy or MixedPrecisionPolicy())
+    shard(model, mp_policy=policy or MixedPrecisionPolicy())
     compile_shard.passes.settings.compile_regions = mode != "cs_compiled_inlined"
     return torch.compile(model) if mode.startswith("cs_compiled") else model
 
@@ -57,13 +60,15 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad()
 
 
-def _worker(rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool, mp: str
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         bench = CONFIGS[config_name]
         config = bench.llama()
-        model = _build(mode, config, reshard)
+        model = _build(mode, config, reshard, mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, config.vocab_size, (bench.batch_per_rank, bench.seq + 1), generator=generator)
@@ -105,12 +110,15 @@ def main(argv=None) -> None:
         action="store_false",
         help="FSDP blocks keep their parameters gathered from forward to backward",
     )
+    parser.add_argument(
+        "--mp", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP2's bf16 parameters, fp32 reductions"
+    )
     args = parser.parse_args(argv)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward)
+    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward, args.mp)
     mp.spawn(_worker, args=spawn_args, nprocs=args.world_size, join=True)
 
 
