@@ -13,6 +13,9 @@ from . import ops
 from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
 from ._stand_in import as_torch_fully_shard
+from ._versions import warn_if_untested
+
+warn_if_untested()
 
 # torch's own MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, UnshardHandle, register_fsdp_forward_method
 # and share_comm_ctx: they work on compile_shard's modules, which are torch FSDPModules.

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import ops
 from ._annotation import GroupAnnotation, annotating_group
 from ._param import FSDPParam
+from ._versions import REDUCES_IN_THE_PARAMETER_DTYPE, ROUNDS_EACH_GRADIENT_CONTRIBUTION
 
 
 def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
@@ -140,6 +141,21 @@ def _gradient_dtype(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolic
     """The dtype of the group's unsharded gradients: its trainable parameters' wire dtype."""
     trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
     return _wire_dtype((trainable or fsdp_params)[0], mp_policy)
+
+
+def _reduce_dtype(
+    fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy, gradient_dtype: torch.dtype
+) -> torch.dtype | None:
+    """What gradients are cast to for the reduction; None where they are reduced in their own dtype.
+
+    ``reduce_dtype``, else on torch 2.15 the trainable parameters' own dtype
+    (``REDUCES_IN_THE_PARAMETER_DTYPE``); FSDP2 clamps one equal to the gradients' dtype.
+    """
+    reduce_dtype = mp_policy.reduce_dtype
+    if reduce_dtype is None and REDUCES_IN_THE_PARAMETER_DTYPE:
+        trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
+        reduce_dtype = (trainable or fsdp_params)[0].sharded_param.dtype
+    return None if reduce_dtype in (None, gradient_dtype) else reduce_dtype
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -286,7 +302,15 @@ class FSDPParamGroup:
         # trainable parameters' all-gather dtype), and ``reduce_dtype``, None where it is
         # that dtype already (FSDP2 clamps it so).
         self.gradient_dtype = _gradient_dtype(fsdp_params, mp_policy)
-        self.reduce_dtype = None if mp_policy.reduce_dtype in (None, mp_policy.param_dtype) else mp_policy.reduce_dtype
+        self.reduce_dtype = _reduce_dtype(fsdp_params, mp_policy, self.gradient_dtype)
+        if (
+            ROUNDS_EACH_GRADIENT_CONTRIBUTION
+            and self.reduce_dtype is not None
+            and self.reduce_dtype.itemsize < self.gradient_dtype.itemsize
+        ):
+            for fsdp_param in fsdp_params:  # [Note: gradient contributions] in compile_shard._param
+                if fsdp_param.sharded_param.requires_grad:
+                    fsdp_param.contribution_dtype = self.reduce_dtype
         # FSDP2's knobs for the gradient reduction (set_gradient_divide_factor and
         # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
         self.gradient_divide_factor: float | None = None

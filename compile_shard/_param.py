@@ -160,6 +160,34 @@ def _sharded_dtensor(
     return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)
 
 
+class _RoundedGradient(torch.autograd.Function):
+    """The identity, whose backward rounds the gradient to ``dtype`` and back.
+
+    [Note: gradient contributions]
+    Autograd adds the gradients of a tensor read several times (a weight tied between
+    the embedding and the output layer) in the tensor's dtype, here ``param_dtype``.
+    FSDP2 on torch 2.15 (``ROUNDS_EACH_GRADIENT_CONTRIBUTION``) gives its unsharded
+    parameter, an autograd leaf, the reduction's ``grad_dtype``, so where ``reduce_dtype``
+    is narrower (fp32 parameters reduced in bf16) each contribution is rounded to it
+    before they are added. compile_shard's unsharded parameters are all-gather outputs,
+    not leaves, so each read rounds its own contribution instead: to the narrower dtype
+    and back, which the addition in the wider one keeps exact. Where ``reduce_dtype`` is
+    wider, FSDP2 adds contributions in ``param_dtype`` too, except in the first
+    micro-batch without gradient sync, where it adds them in the wider dtype; an
+    all-gather output cannot take a wider gradient, so there compile_shard's tied
+    parameters keep ``param_dtype``'s addition (docs/api.md, "torch versions").
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.dtype = dtype
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype).to(grad.dtype), None
+
+
 def _adopting_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
     """``load_state_dict``'s post-hook on every module that uses a sharded parameter."""
     for fsdp_param in getattr(module, _MANAGED_ATTR, {}).values():
@@ -275,6 +303,12 @@ class FSDPParam:
         chose ([Note: sharding on another dim]). ``pin_memory``: the padded shard is in pinned memory
         (``CPUOffloadPolicy``). ``compute_device``: the mesh's device where the shard is kept in CPU memory
         instead ([Note: CPU offload]), else None."""
+        if getattr(param, "_has_grad_dtype_override", False):  # torch 2.15's Tensor.grad_dtype
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} has grad_dtype={param.grad_dtype}; compile_shard gives sharded "
+                "gradients the parameter's dtype. Reduce in another dtype with "
+                "MixedPrecisionPolicy(reduce_dtype=...), or leave grad_dtype unset"
+            )
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -337,6 +371,9 @@ class FSDPParam:
                 + "; compile_shard supports extensions on plain parameters sharded on dim 0"
             )
         self.unsharded_param: torch.Tensor | None = None
+        # The dtype each read rounds its gradient contribution to, set by the group
+        # ([Note: gradient contributions]); None: contributions add in the read's dtype.
+        self.contribution_dtype: torch.dtype | None = None
         # Eager only: whether backward reached an unsharded parameter since the last sharded
         # gradient, None where nothing watches ([Note: unused parameters] in passes.unused_params).
         self.used_since_reduction: bool | None = None
@@ -483,9 +520,14 @@ class FSDPParam:
 
         The unsharded tensor between unshard and reshard (eager, and for the duration
         of a traced forward, see [Note: traced unshard]), else the sharded DTensor:
-        FSDP2's registration semantics.
+        FSDP2's registration semantics. Each read rounds its own gradient contribution
+        where FSDP2 does ([Note: gradient contributions]).
         """
-        return self.sharded_param if self.unsharded_param is None else self.unsharded_param
+        if self.unsharded_param is None:
+            return self.sharded_param
+        if self.contribution_dtype is None:
+            return self.unsharded_param
+        return _RoundedGradient.apply(self.unsharded_param, self.contribution_dtype)
 
     def validate_device(self, device_type: str) -> None:
         """Raises for a parameter the forward cannot gather: still on meta, or off the mesh's device.

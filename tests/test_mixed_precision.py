@@ -14,6 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
+from compile_shard._versions import ROUNDS_EACH_GRADIENT_CONTRIBUTION
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig
 from dist_utils import FakeProcessGroup, global_batch, lm_loss, run_gloo
@@ -243,7 +244,14 @@ def test_collectives_move_torch_fsdp2_bytes():
 
 
 def _accumulation_worker(rank, world_size):
-    """Without sync, gradients accumulate in the reduction's dtype (bf16, or fp32 with ``reduce_dtype``): FSDP2's."""
+    """Without sync, gradients accumulate in the reduction's dtype (bf16, or fp32 with ``reduce_dtype``): FSDP2's.
+
+    On torch 2.15 FSDP2 accumulates in the parameters' dtype (fp32) without a
+    ``reduce_dtype`` too, and in the first micro-batch adds the tied weight's two
+    contributions in fp32, where compile_shard adds them in bf16 first
+    ([Note: gradient contributions] in compile_shard._param): that weight's gradient
+    is then within bf16's rounding of FSDP2's, every other one bitwise.
+    """
     for policy_name in ("param", "param_reduce"):
         policies = POLICIES[policy_name]
         ours, theirs = build(fully_shard, policies), build(torch_fully_shard, policies)
@@ -255,7 +263,11 @@ def _accumulation_worker(rank, world_size):
             assert reductions[0] == len(ours.layers) + 1, reductions
             for (name, param), other in zip(ours.named_parameters(), theirs.parameters()):
                 what = f"{policy_name}: {name}.grad, step {step}"
-                _assert_equal(param.grad.full_tensor(), other.grad.full_tensor(), what)
+                grad, other_grad = param.grad.full_tensor(), other.grad.full_tensor()
+                if ROUNDS_EACH_GRADIENT_CONTRIBUTION and name == "tok_embeddings.weight":
+                    _assert_reduced_alike(grad, other_grad, BF16, what)
+                else:
+                    _assert_equal(grad, other_grad, what)
             for model in (ours, theirs):
                 model.zero_grad()
 

@@ -1,0 +1,59 @@
+"""The torch versions compile_shard supports, and everything that differs between them.
+
+compile_shard lives on torch internals (Dynamo's side-effect classes, the region
+operator, the partitioner, FSDP2's own classes), so each supported minor release is
+tested, and each difference between them is decided here, by name, instead of by
+version checks spread through the code. On a torch outside the tested range
+compile_shard runs as on the nearest one it knows and warns once at import.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed.fsdp
+
+#: The minor releases the test suite runs on.
+SUPPORTED = ((2, 13), (2, 14), (2, 15))
+
+TORCH_VERSION: tuple[int, int] = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+class UntestedTorchWarning(UserWarning):
+    """compile_shard is imported with a torch release its tests do not run on."""
+
+
+def warn_if_untested() -> None:
+    """Warns once, naming the tested range, on a torch outside it."""
+    if TORCH_VERSION not in SUPPORTED:
+        first, last = SUPPORTED[0], SUPPORTED[-1]
+        warnings.warn(
+            f"compile_shard is tested with torch {first[0]}.{first[1]} to {last[0]}.{last[1]}; this is torch "
+            f"{torch.__version__}. It may work, or fail in torch internals it relies on",
+            UntestedTorchWarning,
+            stacklevel=3,
+        )
+
+
+#: FSDP2's reduction dtype without a ``reduce_dtype``: up to 2.14 the dtype gradients
+#: are computed in (``param_dtype``); from 2.15, where an unsharded parameter carries
+#: a ``grad_dtype``, the sharded parameter's own dtype, which gradients accumulate in
+#: ([Note: mixed-precision reduction] in compile_shard.ops).
+REDUCES_IN_THE_PARAMETER_DTYPE = TORCH_VERSION >= (2, 15)
+
+#: FSDP2 from 2.15 gives its unsharded parameter (an autograd leaf) the ``grad_dtype``
+#: of the reduction, and autograd casts each gradient contribution to it before adding
+#: them: a parameter read twice (tied weights) adds its contributions rounded to a
+#: narrower ``reduce_dtype`` ([Note: gradient contributions] in compile_shard._param).
+ROUNDS_EACH_GRADIENT_CONTRIBUTION = TORCH_VERSION >= (2, 15)
+
+#: FSDP2's handle of an asynchronous ``finalize_backward`` (torch 2.15); ``object`` before.
+GradientReductionHandle = getattr(torch.distributed.fsdp, "GradientReductionHandle", object)
+
+
+class CompletedGradientReduction(GradientReductionHandle):
+    """``finalize_backward(async_op=True)``'s handle: compile_shard's reductions are complete already."""
+
+    def wait(self) -> None:
+        return None
