@@ -28,6 +28,7 @@ from ._region import (
     runs_hooks_inside,
     runs_inlined,
 )
+from ._versions import CompletedGradientReduction, GradientReductionHandle
 from .passes import install
 from .passes.settings import settings
 
@@ -459,6 +460,48 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         nothing to skip and nothing to wait for.
         """
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's (torch 2.15): ``enabled=False`` is every backward here; True is refused.
+
+        FSDP2 can leave a backward's last reductions and reshards to
+        ``finalize_backward``, and reduce gradients accumulated over several backwards
+        there. compile_shard's reductions complete inside each backward (eagerly or in
+        the compiled graph), so there is nothing to defer; turning deferral on would be
+        ignored, hence the error.
+        """
+        if not self._get_fsdp_state().is_root:
+            raise RuntimeError(
+                f"set_manual_backward_finalization must be called on the root fully_shard module, not on "
+                f"{_label(cast(nn.Module, self))}"
+            )
+        if enabled:
+            raise NotImplementedError(
+                "set_manual_backward_finalization(True): compile_shard reduces every backward's gradients before "
+                "the backward returns, eagerly and compiled, and does not defer them to finalize_backward(). "
+                "Accumulate over several backwards with set_requires_gradient_sync(False) instead"
+            )
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """FSDP2's (torch 2.15): the last backward's reductions are complete already, so this returns at once.
+
+        With ``async_op`` the handle's ``wait()`` has nothing left to wait for.
+        """
+        return CompletedGradientReduction() if async_op else None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2's (torch 2.15): ``keep=False`` is compile_shard's behaviour; True is refused.
+
+        FSDP2 keeps the unsharded parameters' storage across reshards so that CUDA
+        graphs see fixed addresses. compile_shard frees them at reshard in eager mode,
+        and in compiled graphs Inductor plans their buffers.
+        """
+        if keep:
+            raise NotImplementedError(
+                "set_keep_unsharded_storage(True): compile_shard frees unsharded parameters at reshard in eager "
+                "mode, and Inductor plans their buffers in compiled graphs; keeping them for CUDA graph capture "
+                "is not supported"
+            )
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Sets whether backward gathers this module's parameters again (not recursive; FSDP2's knob).
 
@@ -610,9 +653,13 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        """``module.to(...)``, ``to_empty(...)``: re-pads shards whose storage was replaced."""
+        """``module.to(...)``, ``to_empty(...)``: re-pads shards whose storage was replaced.
+
+        ``nn.Module._apply`` itself, not torch ``FSDPModule``'s, which reads torch's own
+        ``FSDPParam`` (torch 2.15's captures each parameter's ``grad_dtype`` there).
+        """
         self.reshard()
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        result = nn.Module._apply(cast(nn.Module, self), *args, **kwargs)
         group = self._get_fsdp_state().group
         if group is not None:
             for fsdp_param in group.fsdp_params:
