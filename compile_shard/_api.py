@@ -28,7 +28,7 @@ from ._region import (
     runs_hooks_inside,
     runs_inlined,
 )
-from ._versions import CompletedGradientReduction, GradientReductionHandle
+from ._versions import CompletedGradientReduction, GradientReductionHandle, warn_if_regions_cannot_run
 from .passes import install
 from .passes.settings import settings
 
@@ -1102,6 +1102,7 @@ def fully_shard(
             reshard_group=None if reshard_size is None else _reshard_group(mesh, reshard_size),
         )
     install()  # the pass suite, for torch.compile of this model
+    warn_if_regions_cannot_run(settings.compile_regions)
     state = FSDPState(modules, mesh, group, reshard_after_forward, mp_policy)
     sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
     for top in modules:

@@ -577,9 +577,10 @@ class FSDPParam:
             and loaded.placements == self.placements
             and (loaded.shape, loaded.dtype) == (sharded.shape, sharded.dtype)
         ):
+            mesh = self.sharded_mesh.mesh_dim_names or tuple(self.sharded_mesh.shape)
             expected = (
-                f"a {sharded.dtype} DTensor of shape {tuple(sharded.shape)} on the mesh "
-                f"{self.sharded_mesh.mesh_dim_names or tuple(self.sharded_mesh.shape)} with placements {self.placements}"
+                f"a {sharded.dtype} DTensor of shape {tuple(sharded.shape)} on the mesh {mesh} with placements "
+                f"{self.placements}"
             )
             found = f"a {loaded.dtype} {type(loaded).__name__} of shape {tuple(loaded.shape)}"
             if isinstance(loaded, DTensor):

@@ -137,13 +137,9 @@ from torch._dynamo.variables.tensor import TensorVariable
 from . import _invoke_subgraph
 from ._attribute_writes import PLAIN, WRITES_ATTR
 from ._param import FSDPParam
+from ._versions import REGIONS_SUPPORTED, SYMBOLIC_NUMBERS_LOOK_PLAIN
 
 
-#: Whether sharded blocks become compile regions on this torch. 2.13's
-#: ``nested_compile_region`` takes a ``reuse_hash_fn`` (2.11's does not), and the reuse
-#: key relies on how 2.13's Dynamo answers for symbolic sizes and replays a trace, which
-#: 2.14's does differently (docs/torch-2.13-findings.md). Elsewhere every block is inlined.
-REGIONS_SUPPORTED = torch.__version__.startswith("2.13")
 
 
 def _plain_value(value: Any) -> Any:
@@ -221,18 +217,69 @@ def block_signature(module: nn.Module) -> tuple:
 _SYMBOLIC = "symbolic"
 
 
-def _tensor_key(value: Any) -> Any:
+def _tensor_key(value: Any, static: bool | None) -> Any:
     """A tensor's metadata, ``_SYMBOLIC`` for its sizes where one is; a plain value (all else is rejected) as is.
 
     Hashing a symbolic size in the trace would make it static: Dynamo would guard on
-    its value, and every new length would recompile. The test reads ``__class__``:
-    Dynamo answers ``isinstance(size, torch.SymInt)`` with False for symbolic sizes too.
+    its value, and every new length would recompile. ``static``: whether the sizes
+    and strides are all static, as ``_static_leaves`` found; None to read it here from
+    ``__class__``, which torch 2.13's Dynamo answers with ``SymInt`` for a symbolic size
+    (it answers ``isinstance(size, torch.SymInt)`` with False, and 2.14's and 2.15's
+    answer ``__class__`` with ``int``: ``SYMBOLIC_NUMBERS_LOOK_PLAIN``).
     """
     if isinstance(value, torch.Tensor):
-        static = all(size.__class__ is int for size in (*value.shape, *value.stride()))
+        if static is None:
+            static = all(size.__class__ is int for size in (*value.shape, *value.stride()))
         sizes = (tuple(value.shape), value.stride()) if static else _SYMBOLIC
         return (sizes, value.dtype, value.device, value.requires_grad)
     return value
+
+
+#: What ``_record_static_leaves`` found, for ``_recorded_static_leaves`` to return.
+_static_leaves_found: tuple = ()
+
+
+def _record_static_leaves(ctx: Any) -> None:
+    """Run by Dynamo at trace time (``comptime``): whether each leaf of the caller's ``flat`` has static sizes."""
+    global _static_leaves_found
+    found = []
+    for leaf in ctx.get_local("flat").as_proxy():
+        fake = leaf.node.meta["example_value"] if isinstance(leaf, fx.Proxy) else None
+        sizes = (*fake.shape, *fake.stride()) if isinstance(fake, torch.Tensor) else ()
+        found.append(all(type(size) is int for size in sizes))
+    _static_leaves_found = tuple(found)
+
+
+@torch.compiler.assume_constant_result
+def _recorded_static_leaves() -> tuple:
+    return _static_leaves_found
+
+
+#: What ``_record_symbolic_values`` found, for ``_recorded_symbolic_values`` to return.
+_symbolic_values_found: tuple = ()
+
+
+def _record_symbolic_values(ctx: Any) -> None:
+    """Run by Dynamo at trace time (``comptime``): which of ``values`` in the caller's frame are symbolic numbers."""
+    global _symbolic_values_found
+    _symbolic_values_found = tuple(isinstance(value, fx.Proxy) for value in ctx.get_local("values").as_proxy())
+
+
+@torch.compiler.assume_constant_result
+def _recorded_symbolic_values() -> tuple:
+    return _symbolic_values_found
+
+
+def _symbolic_values(values: tuple) -> tuple:
+    """Per plain value the key reads, whether Dynamo made it symbolic (where ``__class__`` cannot tell)."""
+    comptime(_record_symbolic_values)
+    return _recorded_symbolic_values()
+
+
+def _static_leaves(flat: tuple) -> tuple:
+    """Per leaf of ``flat``, whether its sizes and strides are static, read from the fake tensors."""
+    comptime(_record_static_leaves)
+    return _recorded_static_leaves()
 
 
 #: What ``_record_symbolic_sizes`` found, for ``_recorded_symbolic_sizes`` to return.
@@ -347,7 +394,9 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     # The parameters' sizes are static: only a dynamic=True trace makes them symbolic, and
     # it runs the blocks inlined (``compiles_every_size_symbolic``).
     param_keys = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in flat[:num_params])
-    arg_keys = tuple(_tensor_key(leaf) for leaf in flat[num_params:])  # the kwargs' names among them, sorted
+    arg_leaves = flat[num_params:]  # the kwargs' names among them, sorted
+    static = _static_leaves(flat)[num_params:] if SYMBOLIC_NUMBERS_LOOK_PLAIN else (None,) * len(arg_leaves)
+    arg_keys = tuple(_tensor_key(leaf, leaf_static) for leaf, leaf_static in zip(arg_leaves, static))
     symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in arg_keys)
     attribute_names, numbers = _plain_attributes(module)
     values = tuple(
@@ -355,7 +404,10 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
         for submodule, module_names in zip(state.region_modules, attribute_names)
         for name in module_names
     )
-    if any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
+    if SYMBOLIC_NUMBERS_LOOK_PLAIN:
+        if any(_symbolic_values(values)):
+            return None
+    elif any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return None
     device_type = flat[0].device.type  # an unsharded parameter
     return hash(
@@ -435,9 +487,45 @@ def _user_forward_line(module: nn.Module) -> tuple[str, int]:
     return code.co_filename, code.co_firstlineno
 
 
+# [Note: a restarted trace learns again]
+# Dynamo may trace a frame again from its start (torch 2.14 and later do, to make a
+# float that changed a tensor: ``_tensorify_python_scalars``), replaying the first
+# attempt's decisions, and it refuses a second attempt that takes another path
+# (``SpeculationLogDivergence``). What a trace learns about blocks
+# (``_INLINED_SIGNATURES``, ``_READ_NAMES``) sets the path of the traces after it,
+# so a restarted attempt must not see what the attempt before it learned: each
+# learning records how to undo it, and the first read of the next attempt of the
+# same compile undoes them. Another compile keeps what the last attempt learned.
+_attempt_learning: list = [None, []]  # [(compile id, attempt) the undos belong to, undo functions]
+
+
+def _current_attempt() -> tuple | None:
+    trace_id = torch._guards.CompileContext.current_trace_id()
+    return None if trace_id is None else (trace_id.compile_id, trace_id.attempt)
+
+
+def _forget_failed_attempts() -> None:
+    """Undoes what an earlier attempt of this compile learned (see the note above)."""
+    attempt = _current_attempt()
+    learned_in, undos = _attempt_learning
+    if learned_in is not None and attempt is not None and learned_in[0] == attempt[0] and learned_in[1] != attempt[1]:
+        for undo in reversed(undos):
+            undo()
+    if learned_in != attempt:
+        _attempt_learning[:] = [attempt, []]
+
+
+def _learned(undo: Any) -> None:
+    _forget_failed_attempts()
+    _attempt_learning[1].append(undo)
+
+
 def _inline_blocks_like(module: nn.Module, reason: str, filename: str, lineno: int) -> None:
     """From now on blocks with ``module``'s signature run inlined; warned at the user's line, not Dynamo's."""
-    _INLINED_SIGNATURES.add(_signature_hash(module))
+    signature = _signature_hash(module)
+    if signature not in _INLINED_SIGNATURES:
+        _INLINED_SIGNATURES.add(signature)
+        _learned(lambda: _INLINED_SIGNATURES.discard(signature))
     warnings.warn_explicit(
         f"compile_regions: the forward of {module._compile_shard_state.group.module_name} {reason}; blocks like "
         f"it run inlined",
@@ -479,7 +567,9 @@ def _learn_reads(module: nn.Module) -> None:
     }
     signature = _signature_hash(module)
     guarded = _guarded_names(InstructionTranslator.current_tx().output.guards)
-    _READ_NAMES[signature] = _READ_NAMES.get(signature, frozenset()) | (plain & guarded)
+    before = _READ_NAMES.get(signature)
+    _READ_NAMES[signature] = (before or frozenset()) | (plain & guarded)
+    _learned(lambda: _READ_NAMES.pop(signature) if before is None else _READ_NAMES.update({signature: before}))
 
 
 #: The trace (Dynamo's output graph, which is not hashable) and the keys whose first block it has run.
@@ -692,6 +782,7 @@ def runs_inlined(module: nn.Module) -> bool:
 
     Read like ``_signature_hash``.
     """
+    _forget_failed_attempts()
     return _signature_hash(module) in _INLINED_SIGNATURES
 
 
@@ -774,6 +865,7 @@ def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], t
     positions among all of them of the numbers (``int`` or ``float``, not ``bool``),
     which Dynamo may make symbolic.
     """
+    _forget_failed_attempts()
     read = _READ_NAMES.get(_signature_hash(module), frozenset()) | {WRITES_ATTR}
     values = [
         {

@@ -57,3 +57,35 @@ class CompletedGradientReduction(GradientReductionHandle):
 
     def wait(self) -> None:
         return None
+
+#: Whether sharded blocks can become compile regions: ``nested_compile_region`` takes
+#: a ``reuse_hash_fn`` from 2.13 (2.11's does not). Elsewhere every block is inlined,
+#: and ``fully_shard`` says so once ([Note: sharded blocks as nested compile regions]).
+REGIONS_SUPPORTED = TORCH_VERSION >= (2, 13)
+
+#: Dynamo answers ``__class__`` of a symbolic size or number with ``int`` or ``float``
+#: from 2.14 (2.13: ``SymInt``, ``SymFloat``), so a region's key asks the trace itself
+#: there (``comptime``) which sizes and numbers are symbolic.
+SYMBOLIC_NUMBERS_LOOK_PLAIN = TORCH_VERSION >= (2, 14)
+
+
+class RegionsOffWarning(UserWarning):
+    """``settings.compile_regions`` is on, but this torch cannot run compile regions."""
+
+
+_regions_warned = False
+
+
+def warn_if_regions_cannot_run(compile_regions: bool) -> None:
+    """Once per process where ``settings.compile_regions`` asks for regions this torch cannot run."""
+    global _regions_warned
+    if REGIONS_SUPPORTED or not compile_regions or _regions_warned:
+        return
+    _regions_warned = True
+    warnings.warn(
+        f"compile_shard: compile regions are off on torch {torch.__version__}: its nested_compile_region takes "
+        "no reuse_hash_fn (torch 2.13 and later do). Every sharded block is inlined into the compiled step "
+        "(the same graph, a longer first compile); settings.compile_regions = False says you know",
+        RegionsOffWarning,
+        stacklevel=3,
+    )

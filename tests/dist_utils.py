@@ -97,9 +97,9 @@ def run_gloo(fn, world_size: int, *args) -> None:
     )
 
 
-#: For tests of compile regions, which run on torch 2.13 only (``REGIONS_SUPPORTED``).
+#: For tests of compile regions, which run from torch 2.13 (``REGIONS_SUPPORTED``).
 needs_compile_regions = pytest.mark.skipif(
-    not REGIONS_SUPPORTED, reason=f"compile regions run on torch 2.13, this is torch {torch.__version__}"
+    not REGIONS_SUPPORTED, reason=f"compile regions run from torch 2.13, this is torch {torch.__version__}"
 )
 
 #: For tests that read what the fake process group's reduce-scatter wrote: torch 2.13's

@@ -19,3 +19,16 @@ def test_a_tested_torch_does_not_warn(monkeypatch, version):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _versions.warn_if_untested()
+
+
+def test_regions_a_torch_cannot_run_are_said_to_be_off_once(monkeypatch):
+    monkeypatch.setattr(_versions, "REGIONS_SUPPORTED", False)
+    monkeypatch.setattr(_versions, "_regions_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _versions.warn_if_regions_cannot_run(compile_regions=False)  # regions not asked for
+    with pytest.warns(_versions.RegionsOffWarning, match="compile regions are off on torch .*reuse_hash_fn"):
+        _versions.warn_if_regions_cannot_run(compile_regions=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _versions.warn_if_regions_cannot_run(compile_regions=True)  # once
