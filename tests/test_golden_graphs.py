@@ -4,9 +4,16 @@ then ``reorder``), for small models at fake world sizes 2 and 8, with resharding
 and off and with cross-group bucketing off (FSDP2's one collective per group) and on.
 
 A diff here is a review item: regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest
-tests/test_golden_graphs.py`` and explain the change in the commit message. The
-graphs belong to torch 2.13 (op decompositions and node names change between torch
-versions); on another version these tests skip.
+tests/test_golden_graphs.py`` and explain the change in the commit message.
+
+[Note: golden graphs per torch version]
+Op decompositions, node names and the partitioner's choices change between torch
+releases. ``graphs/`` holds torch 2.13's graphs; ``graphs/torch-<major>.<minor>/``
+holds another supported release's where they differ from those (graphs/README.md
+says how each release's differ). A test compares with its release's file where one
+exists, else with 2.13's; regenerating on a release writes its file only where it
+differs from 2.13's, and removes one that no longer does. On a torch outside
+``SUPPORTED`` the tests skip.
 """
 
 import dataclasses
@@ -23,17 +30,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from compile_shard import fully_shard
+from compile_shard._versions import SUPPORTED, TORCH_VERSION
 from compile_shard.debug import dump_graphs
 from compile_shard.models import Llama, LlamaConfig
 from dist_utils import FakeProcessGroup, ReusedBlockModel, build_tensor_parallel_llama
 from graph_utils import CapturingBackend, pass_settings
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "graphs"
-GOLDEN_TORCH = "2.13"
+BASE_TORCH = (2, 13)
+# This release's own graphs where they differ from BASE_TORCH's.
+RELEASE_DIR = GOLDEN_DIR / f"torch-{TORCH_VERSION[0]}.{TORCH_VERSION[1]}"
 
 pytestmark = pytest.mark.skipif(
-    not torch.__version__.startswith(GOLDEN_TORCH),
-    reason=f"golden graphs are recorded with torch {GOLDEN_TORCH}, this is torch {torch.__version__}",
+    TORCH_VERSION not in SUPPORTED,
+    reason=f"golden graphs are recorded for torch {SUPPORTED}, this is torch {torch.__version__}",
 )
 
 
@@ -130,10 +140,18 @@ def _staged_graphs(
 
 
 def _assert_golden(name: str, actual: str) -> None:
-    path = GOLDEN_DIR / f"{name}.txt"
+    """See [Note: golden graphs per torch version]."""
+    base, own = GOLDEN_DIR / f"{name}.txt", RELEASE_DIR / f"{name}.txt"
     if expecttest.ACCEPT:
-        path.write_text(actual)
+        if TORCH_VERSION == BASE_TORCH:
+            base.write_text(actual)
+        elif base.exists() and base.read_text() == actual:
+            own.unlink(missing_ok=True)
+        else:
+            own.parent.mkdir(exist_ok=True)
+            own.write_text(actual)
         return
+    path = own if TORCH_VERSION != BASE_TORCH and own.exists() else base
     assert path.exists(), f"no golden graph {path.name}; record it with EXPECTTEST_ACCEPT=1"
     expected = path.read_text()
     if actual != expected:
