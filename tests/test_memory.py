@@ -165,3 +165,28 @@ def test_steps_leave_no_unsharded_parameters_and_a_dropped_model_is_freed(shard,
     gc.collect()
     assert model_ref() is None
     assert _alive(FSDPParamGroup) == groups_before
+
+
+class _Trainer:
+    """A framework object whose hooks are its bound methods, and which holds the model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def all_reduce_hook(self, reduced: torch.Tensor) -> None:
+        reduced.mul_(1.0)
+
+
+def test_a_hook_that_reaches_its_model_does_not_keep_it_alive():
+    """[Note: Python objects named in op arguments]: the registry of hooks and comms refers to them weakly."""
+    model, _ = build_sharded_llama(CONFIG)
+    trainer = _Trainer(model)
+    for module in model.modules():
+        if hasattr(module, "set_all_reduce_hook"):
+            module.set_all_reduce_hook(trainer.all_reduce_hook)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    lm_loss(model, tokens).backward()
+    model_ref = weakref.ref(model)
+    del model, trainer
+    gc.collect()
+    assert model_ref() is None

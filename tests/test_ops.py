@@ -294,12 +294,13 @@ def test_an_op_calling_a_python_object_by_name_finds_the_one_bound_now_and_names
     name = ops.new_name("block.all_reduce_hook")
     calls = []
     for factor in (2.0, 3.0):
-        ops.bind(name, lambda reduced, factor=factor: (calls.append(factor), reduced.mul_(factor)))
+        hook = lambda reduced, factor=factor: (calls.append(factor), reduced.mul_(factor))  # noqa: E731
+        ops.bind(name, hook)  # weakly: the caller (a group) holds the hook
         reduced = torch.ones(3)
         torch.ops.fsdp.call_all_reduce_hook_(reduced, name)
         assert torch.equal(reduced, torch.full((3,), factor))
     assert calls == [2.0, 3.0]
-    ops.bind(name, None)
+    del hook  # the last holder lets go: the name is free
     missing = f"fsdp::call_all_reduce_hook_: no object is registered under the name '{name}'"
     with pytest.raises(RuntimeError, match=re.escape(missing)):
         torch.ops.fsdp.call_all_reduce_hook_(torch.ones(3), name)

@@ -13,30 +13,47 @@ eager mode, and binding another object to the name needs no recompile. Names are
 numbered in the order groups first register one, which is the same on every rank and
 in every run of one program, so a graph from the compile caches calls the object
 registered under its name in this process.
+
+The registry refers to each object weakly: the group that set it holds it, as FSDP2's
+group holds its hook and comms, so the object goes with its model. A hook that reaches
+its model (a trainer's bound method) held strongly by this module's global registry
+would keep the model alive for the rest of the process. An object Python cannot refer
+to weakly (a method descriptor, an instance of a class with ``__slots__`` and no
+``__weakref__``) is held strongly instead.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_BOUND: dict[str, Any] = {}
+_BOUND: dict[str, Callable[[], Any]] = {}  # name -> the object, dereferenced by calling
+_NUMBERS = itertools.count()
 
 
 def new_name(label: str) -> str:
     """A name no other object in this process is registered under."""
-    name = f"{label}#{len(_BOUND)}"
-    _BOUND[name] = None
-    return name
+    return f"{label}#{next(_NUMBERS)}"
 
 
 def bind(name: str, obj: Any) -> None:
-    _BOUND[name] = obj
+    """Registers ``obj`` under ``name``, weakly: the caller keeps ``obj`` alive (see the note above)."""
+    if obj is None:
+        _BOUND.pop(name, None)
+        return
+    try:
+        _BOUND[name] = weakref.ref(obj, lambda _, name=name: _BOUND.pop(name, None))
+    except TypeError:  # cannot be referred to weakly
+        _BOUND[name] = lambda: obj
 
 
 def bound(op_name: str, name: str) -> Any:
     """The object registered under ``name``; an error naming ``op_name`` where there is none."""
-    obj = _BOUND.get(name)
+    reference = _BOUND.get(name)
+    obj = None if reference is None else reference()
     torch._check(obj is not None, lambda: f"fsdp::{op_name}: no object is registered under the name {name!r}")
     return obj
