@@ -5,7 +5,7 @@
     python benchmarks/cold_start.py --config B --modes cs_compiled,cs_compiled_inlined --symbolic
     python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --warm  # a restarted job
 
-Issue 5 holds compile_shard's cold first step (compilation included) to 1.5x that of
+The cold-step target holds compile_shard's cold first step (compilation included) to 1.5x that of
 FSDP2 with per-block compile. This script separates what that ratio is made of: the
 cost of compiling the whole model instead of one block (``unsharded_compiled`` and
 ``unsharded_regions`` compile the model without any sharding) and what compile_shard

@@ -2,6 +2,7 @@
 
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
@@ -9,7 +10,7 @@ from torch.distributed.fsdp import (
     share_comm_ctx,
 )
 
-from . import ops
+from . import ops  # registers the fsdp op library (torch.ops.fsdp)
 from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
 from ._stand_in import as_torch_fully_shard
@@ -17,10 +18,12 @@ from ._versions import warn_if_untested
 
 warn_if_untested()
 
-# torch's own MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, UnshardHandle, register_fsdp_forward_method
-# and share_comm_ctx: they work on compile_shard's modules, which are torch FSDPModules.
+# torch's own MixedPrecisionPolicy, OffloadPolicy, CPUOffloadPolicy, DataParallelMeshDims, UnshardHandle,
+# register_fsdp_forward_method and share_comm_ctx, the same objects: they work on compile_shard's modules,
+# which are torch FSDPModules. Code imports them from torch.distributed.fsdp (docs/api.md).
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -28,7 +31,6 @@ __all__ = [
     "UnshardHandle",
     "as_torch_fully_shard",
     "fully_shard",
-    "ops",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]

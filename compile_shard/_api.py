@@ -853,7 +853,8 @@ def _joins(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
     return True
 
 
-def _check_unsupported_arguments(label: str, mp_policy: Any, offload_policy: Any) -> None:
+def _check_policy_types(label: str, mp_policy: Any, offload_policy: Any) -> None:
+    """FSDP2's policies, by type and dtype: a wrong value fails here, naming the module, not in the first step."""
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
             f"fully_shard({label}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -1039,13 +1040,15 @@ def fully_shard(
     ``mesh`` beside it, as in FSDP2; with ``dp_mesh_dims`` (torch's
     ``DataParallelMeshDims``) ``mesh`` is the full SPMD mesh the parameters live on
     and the named dims are the data-parallel ones. ``ignored_params`` stay
-    plain, unsharded parameters whose gradients are not reduced. The other arguments
-    take FSDP2's values where they mean what compile_shard already does (for example
-    the default ``MixedPrecisionPolicy()``) and raise ``NotImplementedError`` otherwise.
+    plain, unsharded parameters whose gradients are not reduced. ``mp_policy`` and
+    ``offload_policy`` are torch's own policies with FSDP2's semantics; a value of
+    another type is a ``TypeError``, and what compile_shard cannot honour
+    (another ``OffloadPolicy`` subclass, CPU offload of an all-gather extension) a
+    ``NotImplementedError`` naming it (docs/api.md).
     """
     modules = _as_module_list(module)
     label = "+".join(_label(m) for m in modules)
-    _check_unsupported_arguments(label, mp_policy, offload_policy)
+    _check_policy_types(label, mp_policy, offload_policy)
     mesh = mesh if mesh is not None else _default_mesh()
     spmd_mesh, spmd_data_parallel_dims = None, ()
     if dp_mesh_dims is None:

@@ -137,3 +137,16 @@ def test_prefetch_knobs_reject_modules_that_are_not_sharded(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=2))
     with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch: Linear is not a module with parameters"):
         model.layers[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+
+
+def test_the_package_exports_fully_shard_and_torchs_own_fsdp2_names():
+    """Users import the rest of FSDP2 from torch; compile_shard's aliases are the same objects (docs/api.md)."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import compile_shard
+
+    own = {"fully_shard", "FSDPModule", "as_torch_fully_shard", "RegionInlinedWarning"}
+    assert own <= set(compile_shard.__all__) and "ops" not in compile_shard.__all__
+    for name in set(compile_shard.__all__) - own:
+        assert getattr(compile_shard, name) is getattr(torch_fsdp, name), name
+    assert issubclass(compile_shard.FSDPModule, torch_fsdp.FSDPModule)

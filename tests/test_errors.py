@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 from compile_shard import fully_shard
 from compile_shard.models import Llama, LlamaConfig
@@ -77,8 +78,12 @@ def test_a_shard_slice_of_an_hsdp_mesh_would_not_sync_replicas(shape):
 
 
 def test_a_data_parallel_slice_beside_pipeline_stages_is_accepted():
+    """A stage's parameters shard over its own ``dp`` slice only, as with FSDP2."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
+    linear = fully_shard(nn.Linear(4, 4), mesh=mesh["dp"])
+    for name, param in linear.named_parameters():
+        assert param.device_mesh == mesh["dp"] and param.placements == (Shard(0),), name
+        assert param.to_local().shape[0] == 2, name  # 4 rows over the slice's 2 ranks, not the 4 of the mesh
 
 
 def test_trainable_parameters_of_several_dtypes_in_one_group():

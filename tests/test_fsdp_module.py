@@ -16,12 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.fsdp import register_fsdp_forward_method, share_comm_ctx
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import compile_shard
-from compile_shard import fully_shard, register_fsdp_forward_method, share_comm_ctx
+from compile_shard import fully_shard
 from compile_shard._param import _sharded_dtensor
 from compile_shard.debug import CollectiveCounter
 from compile_shard.models import Llama, LlamaConfig
@@ -243,19 +243,52 @@ def test_reset_iter_state_recovers_after_a_failed_forward(fake_pg):
     assert counter.counts["all_gather"] > 0 and counter.counts["reduce_scatter"] == 3
 
 
-def test_share_comm_ctx_and_accepted_knobs(fake_pg):
-    first, _ = build_sharded_llama(LlamaConfig())
-    second, _ = build_sharded_llama(LlamaConfig())
-    share_comm_ctx([first, second])
-    first.set_is_last_backward(False)
-    first.set_requires_all_reduce(False)
-    first.set_post_optim_event(torch.Event("cpu") if hasattr(torch, "Event") else None)
-    first.set_reduce_scatter_max_input_buffers(2)
+def _accepted_knobs_worker(rank, world_size, backend):
+    """FSDP2's stream and buffer knobs change nothing compile_shard computes: the same calls on both, bitwise.
+
+    Each is FSDP2's control of its CUDA streams or buffers (compile_shard's eager
+    reductions complete inside each backward, and Inductor plans compiled buffers), or
+    of HSDP's all-reduce, which a 1-D mesh does not run; set on both, gradients and
+    collectives stay torch FSDP2's.
+    """
+    config = LlamaConfig(n_layers=2)
+    models = [build_sharded_llama(config, shard=shard)[0] for shard in (fully_shard, torch_fully_shard)]
+    runnables = [models[0] if backend is None else torch.compile(models[0], backend=backend), models[1]]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for model in models:
+        share_comm_ctx(list(model.layers))
+        model.set_requires_all_reduce(False)
+        model.set_reduce_scatter_max_input_buffers(2)
+    for step in range(3):
+        tokens = global_batch(step, world_size, 2, 8, config.vocab_size)[2 * rank : 2 * rank + 2]
+        counts, grads = [], []
+        for model, runnable, optimizer in zip(models, runnables, optimizers):
+            model.set_is_last_backward(step == 2)
+            with CollectiveCounter() as counter:
+                lm_loss(runnable, tokens).backward()
+            counts.append(dict(counter.counts))
+            grads.append([param.grad.full_tensor() for param in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+            model.set_post_optim_event(torch.Event("cpu"))
+        if backend is None:
+            assert counts[0] == counts[1], (step, counts)
+        for ours, theirs in zip(*grads):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0 if backend is None else 1e-6)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_share_comm_ctx_and_accepted_knobs_leave_torch_fsdp2s_gradients(backend):
+    run_gloo(_accepted_knobs_worker, 2, backend)
+
+
+def test_accepted_knobs_refuse_what_torch_fsdp2_refuses(fake_pg):
+    model, _ = build_sharded_llama(LlamaConfig())
     for bad, error in ((True, TypeError), (0, ValueError)):
         with pytest.raises(error):
-            first.set_reduce_scatter_max_input_buffers(bad)
+            model.set_reduce_scatter_max_input_buffers(bad)
     with pytest.raises(ValueError, match="should be a bool"):
-        first.set_reshard_after_forward(1)
+        model.set_reshard_after_forward(1)
 
 
 def _lifecycle_worker(rank, world_size, backend):
@@ -583,7 +616,6 @@ def test_arguments_that_mean_what_compile_shard_does_are_accepted(fake_pg):
     fully_shard(model[0], mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy())
     fully_shard(model[1], mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
     fully_shard(model, shard_placement_fn=lambda param: Shard(0))
-    assert compile_shard.MixedPrecisionPolicy is MixedPrecisionPolicy
 
 
 @pytest.mark.parametrize(
