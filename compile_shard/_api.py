@@ -9,7 +9,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.eval_frame import OptimizedModule, skip_code
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
@@ -320,9 +322,16 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         """
         state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
         compiling = torch.compiler.is_compiling()
-        if state.is_root and not compiling and isinstance(self, OptimizedModule):
-            return self.dynamo_ctx(self._sharded_forward)(args, kwargs)
-        if state.is_root or compiling:
+        if state.is_root and not compiling:
+            sharded_forward = self._sharded_forward
+            if isinstance(self, OptimizedModule):
+                sharded_forward = self.dynamo_ctx(sharded_forward)
+            try:
+                return sharded_forward(args, kwargs)
+            except BaseException:
+                _trace_the_root_frame_again()
+                raise
+        if compiling:
             return self._sharded_forward(args, kwargs)
         shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
         return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
@@ -668,6 +677,25 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
 
 
 skip_code(FSDPModule.forward.__code__)  # [Note: a block compiled on its own]
+
+
+def _trace_the_root_frame_again() -> None:
+    """After a forward that raised, Dynamo traces the root's frame again at the next call.
+
+    [Note: a trace that raised]
+    Where a traced forward raises (a parameter still on the meta device, a user's own
+    ``raise`` in a block), Dynamo cannot resume after the error, runs the frame eagerly
+    to raise it, and marks the frame's code to be skipped from then on. That code,
+    ``_sharded_forward``, is every sharded model's root frame: every later
+    ``torch.compile`` in the process, of any sharded model, would start its traces at
+    the runtime's inner functions instead, several graphs where there was one, which
+    then disagree about what was gathered. The root's frame is entered from here,
+    eagerly, so the error passes through here first: its code gets Dynamo's default
+    strategy back (its compiled entries stay), and the next call traces it as one graph.
+    """
+    set_code_exec_strategy(
+        FSDPModule._sharded_forward.__code__, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
+    )
 
 _FSDP_CLASSES: dict[type, type] = {}
 

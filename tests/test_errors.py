@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.distributed.tensor import Shard
 
 from compile_shard import fully_shard
@@ -148,3 +149,43 @@ def test_fully_shard_without_process_group():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+
+
+class _RaisingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[-1] != 4:
+            raise ValueError("expected 4 features")
+        return self.linear(x)
+
+
+def _compile_one_that_raises(case: str) -> None:
+    if case == "meta_parameters":
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 4))
+        fully_shard(model)
+        inputs, error = torch.randn(2, 4), RuntimeError
+    else:
+        model = nn.Sequential(_RaisingBlock(), nn.Linear(4, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        inputs, error = torch.randn(2, 5), ValueError
+    with pytest.raises(error):
+        torch.compile(model, backend="aot_eager")(inputs)
+
+
+@pytest.mark.parametrize("case", ["meta_parameters", "a_users_raise"])
+def test_a_compiled_forward_that_raised_leaves_the_next_model_one_graph(case, fresh_dynamo):
+    """[Note: a trace that raised] in compile_shard._api: Dynamo's skip of the root frame is undone."""
+    _compile_one_that_raises(case)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=2))
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    graphs = CompileCounterWithBackend("aot_eager")
+    torch.compile(model, backend=graphs)(torch.randint(0, 100, (2, 9))).sum().backward()
+    assert graphs.frame_count == 1, f"{graphs.frame_count} graphs"
