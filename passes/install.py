@@ -18,6 +18,21 @@ Four hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
   ``keep_order``, so Inductor's scheduler emits that order (see ``keep_order``).
 
 A pass a user had set on either hook before keeps running, after ours.
+
+[Note: Inductor's own collective passes]
+compile_shard's passes decide the buckets and the order of the collectives; Inductor
+has passes that would decide them too, and they are left as torch sets them:
+
+- ``aten_distributed_optimizations.enable_simple_overlap`` (torch 2.15, on by
+  default) runs after the scheduler, so after ``keep_order``: it moves waits later
+  and collectives earlier, and never one collective past another. On compile_shard's
+  graphs it moves at most the wait on a gather's input past a reduction's copy-in;
+  the collectives are issued in the scheduled order
+  (``tests/test_compile.py::test_inductor_issues_the_collectives_in_the_scheduled_order``),
+  and the gloo suite, compiled with Inductor, neither hangs nor changes numbers on 2.15.
+- ``enable_overlap_scheduling`` and ``collective_bucketing`` (off by default) would
+  bucket and schedule again what ``bucket`` and ``reorder`` did; they estimate compute
+  by running it on CUDA, and fail on a machine without a GPU. Leave them off.
 """
 
 from __future__ import annotations

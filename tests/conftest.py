@@ -34,22 +34,24 @@ def fresh_dynamo():
 # starting with these keeps one worker from finishing the suite alone on a long file.
 SLOWEST_FILES = (
     "test_regions.py",
+    "test_inductor_numerics.py",
+    "test_fsdp2_tutorial.py",
     "test_compile.py",
     "test_train_bench.py",
-    "test_mixed_precision.py",
+    "test_tensor_parallel.py",
     "test_fsdp_module.py",
+    "test_mixed_precision.py",
+    "test_gradient_sync.py",
+    "test_hsdp.py",
     "test_collectives.py",
     "test_cold_start.py",
     "test_examples.py",
+    "test_checkpointing.py",
     "test_frozen.py",
     "test_parity.py",
-    "test_tensor_parallel.py",
-    "test_hsdp.py",
     "test_all_gather_extensions.py",
-    "test_gradient_sync.py",
     "test_reshard_to_a_smaller_group.py",
     "test_packaging_and_demo.py",
-    "test_checkpointing.py",
 )
 
 

@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "capture_time.py"
 
 
+@pytest.mark.slow
 def test_each_mode_captures_its_own_region_calls(tmp_path):
     """Inlined blocks call no region; compile_shard inlines the first block; torch's floor makes every block one."""
     path = tmp_path / "capture.json"

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# Runs the benchmark script (minutes of Inductor compilation): CI's slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cold_start.py"
 MODES = ["fsdp2_block_compiled", "cs_compiled", "cs_compiled_inlined"]

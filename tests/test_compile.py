@@ -1,5 +1,6 @@
 """torch.compile(sharded_model): one forward and one backward graph, collectives inside them."""
 
+import importlib
 import re
 import warnings
 from collections import Counter
@@ -10,6 +11,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
+from compile_shard._collectives import node_collective
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
 from compile_shard.passes import settings, verify, verify_forward
@@ -208,6 +210,7 @@ def test_bucketed_and_reordered_training_matches_eager_on_gloo():
     run_gloo(_compiled_matches_eager, 3, "scheduled", False, 1000.0)
 
 
+@pytest.mark.slow
 def test_graphs_given_to_inductor_hold_c10d_collectives_only():
     graphs = []
 
@@ -334,6 +337,7 @@ _GATHER_OUT = re.compile(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)
     reason="Inductor 2.14 spreads a copy-out over two kernels (docs/torch-2.13-findings.md)",
     strict=True,
 )
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_cap_mb", [None, 1000.0], ids=["per_group", "bucketed"])
 def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bucket_cap_mb):
     forward, backward = _inductor_code(bucket_cap_mb)
@@ -373,3 +377,33 @@ def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bu
         buffer = calls[index].split(" = ")[0]
         wait = next(i for i, later in enumerate(calls) if f"wait_tensor.default({buffer})" in later)
         assert any("extern_kernels" in between or "cpp_fused" in between for between in calls[index + 1 : wait])
+
+
+_COLLECTIVE_CALL = re.compile(r"_c10d_functional\.(all_gather_into_tensor_out|reduce_scatter_tensor|all_to_all_single)\.default\(")
+
+
+def test_inductor_issues_the_collectives_in_the_scheduled_order():
+    """[Note: Inductor's own collective passes] in passes/install.py: the order ``reorder`` chose is the one emitted.
+
+    torch 2.15 moves waits later and collectives earlier after the scheduler
+    (``aten_distributed_optimizations.enable_simple_overlap``, on by default); it must
+    not issue one collective before another that the scheduled graph issues first.
+    """
+    install = importlib.import_module("compile_shard.passes.install")  # the package's ``install`` is the function
+    scheduled = []
+    run = install.run_partitioned_suite
+
+    def recording(graph, **kwargs):
+        moved = run(graph, **kwargs)
+        scheduled.append([found.kind for node in graph.nodes if (found := node_collective(node)) is not None])
+        return moved
+
+    install.run_partitioned_suite = recording
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+            codes = _inductor_code()
+    finally:
+        install.run_partitioned_suite = run
+    kinds = {"all_gather_into_tensor_out": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    emitted = [[kinds[match.group(1)] for match in _COLLECTIVE_CALL.finditer(code)] for code in codes]
+    assert emitted == scheduled and all(emitted), (emitted, scheduled)

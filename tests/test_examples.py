@@ -101,6 +101,7 @@ def llama_run(tmp_path_factory):
     return _torchrun("train_llama.py", *args), checkpoints
 
 
+@pytest.mark.slow
 def test_train_llama_matches_an_unsharded_reference(llama_run):
     result, _ = llama_run
     example = _load_example("train_llama")
@@ -110,6 +111,7 @@ def test_train_llama_matches_an_unsharded_reference(llama_run):
     _assert_close_to_reference(_losses(result.stdout), reference, result.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not _has_numpy(),
     reason="torch.distributed.checkpoint plans through object collectives, which torch 2.13 decodes with numpy",
@@ -135,6 +137,7 @@ def test_a_failing_rank_shows_its_own_error():
     assert "train_llama.py" in root_cause and "Connection closed by peer" not in root_cause, result.stderr[-8000:]
 
 
+@pytest.mark.slow
 def test_train_hf_llama_matches_an_unsharded_reference():
     pytest.importorskip("transformers")
     result = _torchrun("train_hf_llama.py", "--steps", str(STEPS), *HF_ARGS)

@@ -57,7 +57,7 @@ def test_eager_tutorial_is_torch_fsdp2_bitwise(tmp_path, flags):
 
 @pytest.mark.parametrize(
     "flags",
-    [("--mixed-precision", "--explicit-prefetching", "--dcp-api"), ()],
+    [("--mixed-precision", "--explicit-prefetching", "--dcp-api"), pytest.param((), marks=pytest.mark.slow)],
     ids=["bf16_prefetch_dcp_api", "fp32_dtensor_api"],
 )
 def test_compiled_tutorial_is_as_close_to_eager_as_torch_fsdp2_compiled(tmp_path, flags):

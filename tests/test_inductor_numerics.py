@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from compile_shard import fully_shard
 from compile_shard.models import GPT, GPTConfig, Llama, LlamaConfig
 from compile_shard._collectives import node_collective
+from compile_shard._versions import REDUCES_IN_THE_PARAMETER_DTYPE
 from compile_shard.passes.patterns import waited_node
 from dist_utils import global_batch, run_gloo
 
@@ -178,7 +179,8 @@ def _worker(rank, world_size, model_name, policy_name):
                 f"more than {TOLERANCE_FACTOR}x FSDP2 + torch.compile's {scale[quantity]:.3g}"
             )
     # [Note: mixed-precision dtypes] in compile_shard.passes.verify, in the graphs Inductor compiled.
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    # Without a reduce_dtype FSDP2 reduces in param_dtype up to torch 2.14, in the parameters' own from 2.15.
+    reduce_dtype = policy.reduce_dtype or (FP32 if REDUCES_IN_THE_PARAMETER_DTYPE else policy.param_dtype)
     assert final_graphs.all_gather_dtypes == {policy.param_dtype}, final_graphs.all_gather_dtypes
     assert final_graphs.gradient_dtypes == {policy.param_dtype}, final_graphs.gradient_dtypes
     assert final_graphs.reduction_dtypes == {reduce_dtype}, final_graphs.reduction_dtypes

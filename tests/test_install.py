@@ -2,6 +2,8 @@
 
 import hashlib
 
+import pytest
+
 import torch
 import torch._dynamo
 import torch.fx as fx
@@ -162,6 +164,7 @@ def _train_from_the_cache_directory(rank, world_size, folder, phase):
         torch.testing.assert_close(torch.stack(losses), torch.stack(torch.load(path)), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_restarted_job_loads_its_compiled_step_from_the_caches():
     """A second launch with the same cache directory hits AOTAutograd's cache and computes the same losses.
 

@@ -6,6 +6,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,7 @@ def _output(result: subprocess.CompletedProcess) -> str:
     return f"exit status {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
 
 
+@pytest.mark.slow  # the README's demo command, which CI also runs as written
 def test_demo_prints_losses_next_to_the_reference():
     result = _run_demo("--nproc", "3", "--steps", "2", "--layers", "1", "--dim", "64", "--backend", "aot_eager")
     assert result.returncode == 0, _output(result)

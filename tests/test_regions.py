@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from compile_shard import MixedPrecisionPolicy, RegionInlinedWarning, fully_shard
+from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
 from compile_shard._attribute_writes import WRITES_ATTR
 from compile_shard._region import accepts_region_call, block_signature
@@ -143,6 +144,7 @@ def test_dry_run_capture_partitions_regions_like_inductor(symbolic):
     assert simulation.compute_seconds > 0
 
 
+@pytest.mark.slow
 def test_a_dynamic_true_compile_and_structured_arguments_run_the_block_inlined():
     """``dynamic=True`` makes every number symbolic, a norm's ``eps`` too (``compiles_every_size_symbolic``)."""
     capture = CapturingBackend(min_cut=True)
@@ -205,7 +207,7 @@ def _changing_lengths_worker(rank, world_size, model_class, n_layers, region_cal
 
 @pytest.mark.parametrize(
     "model_class, n_layers, region_calls",
-    [(Llama, 4, 3), (_HalvingLlama, 6, 4)],
+    [pytest.param(Llama, 4, 3, marks=pytest.mark.slow), pytest.param(_HalvingLlama, 6, 4, marks=pytest.mark.slow)],
     ids=["one_length", "two_lengths"],
 )
 def test_blocks_at_symbolic_lengths_call_their_region_and_match_eager_on_gloo(model_class, n_layers, region_calls):
@@ -234,7 +236,9 @@ def test_without_resharding_backward_reuses_the_gathered_parameters():
 
 
 @pytest.mark.parametrize(
-    "world_size, checkpoint_blocks", [(2, False), (3, True)], ids=["2-plain_blocks", "3-checkpointed_blocks"]
+    "world_size, checkpoint_blocks",
+    [(2, False), pytest.param(3, True, marks=pytest.mark.slow)],
+    ids=["2-plain_blocks", "3-checkpointed_blocks"],
 )
 def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
     """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
@@ -290,7 +294,14 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
 
 
 @pytest.mark.parametrize(
-    "setting", ["bf16_policy", "autocast", "not_resharded", "keeping_unsharded", "checkpoint_wrapper"]
+    "setting",
+    [
+        pytest.param("bf16_policy", marks=pytest.mark.slow),
+        pytest.param("autocast", marks=pytest.mark.slow),
+        "not_resharded",
+        pytest.param("keeping_unsharded", marks=pytest.mark.slow),
+        "checkpoint_wrapper",
+    ],
 )
 def test_regions_with_fsdp2_settings_match_eager_on_gloo(setting):
     """Regions with a bf16 policy, under autocast (the region saves its weights' bf16 copies), blocks kept
@@ -350,12 +361,14 @@ def _hugging_face_llama_worker(rank, world_size):
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # one per model
 
 
+@pytest.mark.slow
 def test_hugging_face_llama_layers_share_one_region_and_match_eager_on_gloo():
     """Each layer holds its own ``layer_idx``, which its forward reads only with a cache: one body for all."""
     pytest.importorskip("transformers")
     run_gloo(_hugging_face_llama_worker, 2)
 
 
+@pytest.mark.slow
 def test_bucketed_regions_match_eager_on_gloo():
     """One bucket for all blocks (gathered and reduced once), each block still its region: plain blocks."""
     run_gloo(_compiled_matches_eager, 3, "inductor", False, 1000.0, True)

@@ -142,7 +142,7 @@ def _equal_meshes_worker(rank, world_size, shape):
     train_against_torch_fsdp2(theirs, models, (None, "aot_eager"), tokens_for_step)
 
 
-@pytest.mark.parametrize("shape", [(1, 2), (2, 2)], ids=["1x2", "2x2"])
+@pytest.mark.parametrize("shape", [(1, 2), pytest.param((2, 2), marks=pytest.mark.slow)], ids=["1x2", "2x2"])
 def test_a_second_equal_mesh_in_one_process_matches_torch_fsdp2(shape):
     run_gloo(_equal_meshes_worker, math.prod(shape), shape)
 
