@@ -96,6 +96,7 @@ def test_frozen_layouts_match_torch_fsdp2(reshard):
     run_gloo(_eager_worker, 2, reshard)
 
 
+@pytest.mark.slow
 def test_frozen_layouts_compiled_match_eager():
     run_gloo(_compiled_worker, 2)
 

@@ -331,7 +331,7 @@ def _lifecycle_worker(rank, world_size, backend):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0 if backend is None else 1e-6)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+@pytest.mark.parametrize("backend", [None, pytest.param("aot_eager", marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_unshard_reshard_and_prefetch_match_torch_fsdp2_call_for_call(backend):
     run_gloo(_lifecycle_worker, 2, backend)
 

@@ -142,7 +142,7 @@ def _compiled_worker(rank, world_size, keep_unsharded):
 
 @pytest.mark.parametrize(
     "keep_unsharded, world_size",
-    [(False, 2), (True, 2), pytest.param(True, 3, marks=pytest.mark.slow)],
+    [(False, 2), pytest.param(True, 2, marks=pytest.mark.slow), pytest.param(True, 3, marks=pytest.mark.slow)],
     ids=["resharding", "keeping_unsharded", "keeping_unsharded_uneven"],
 )
 def test_accumulating_without_sync_compiled_matches_eager_with_one_graph_per_setting(keep_unsharded, world_size):

@@ -192,7 +192,13 @@ def _worker(rank, world_size, model_name, policy_name):
 # itself has non-finite gradients from the first step.
 @pytest.mark.parametrize(
     "model_name, policy_name",
-    [("gpt", "bf16_fp32_reduce"), ("gpt", "bf16"), ("gpt", "fp16_fp32_reduce"), ("llama", "bf16_fp32_reduce"), ("llama", "bf16")],
+    [
+        ("gpt", "bf16_fp32_reduce"),
+        ("gpt", "bf16"),
+        ("gpt", "fp16_fp32_reduce"),
+        ("llama", "bf16_fp32_reduce"),
+        pytest.param("llama", "bf16", marks=pytest.mark.slow),
+    ],
 )
 def test_inductor_is_as_close_to_eager_as_torch_fsdp2_compiled(model_name, policy_name):
     run_gloo(_worker, 2, model_name, policy_name)
@@ -222,6 +228,6 @@ def _rounding_worker(rank, world_size, model_name):
             assert off_bf16, "fp32 gradients that are all bf16 numbers: the check cannot tell"
 
 
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_compiled_gradients_are_rounded_to_param_dtype_before_the_reduction(model_name):
     run_gloo(_rounding_worker, 2, model_name)

@@ -237,7 +237,7 @@ def test_without_resharding_backward_reuses_the_gathered_parameters():
 
 @pytest.mark.parametrize(
     "world_size, checkpoint_blocks",
-    [(2, False), pytest.param(3, True, marks=pytest.mark.slow)],
+    [pytest.param(2, False, marks=pytest.mark.slow), pytest.param(3, True, marks=pytest.mark.slow)],
     ids=["2-plain_blocks", "3-checkpointed_blocks"],
 )
 def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
