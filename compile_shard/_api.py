@@ -697,6 +697,7 @@ def _trace_the_root_frame_again() -> None:
         FSDPModule._sharded_forward.__code__, FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
     )
 
+
 _FSDP_CLASSES: dict[type, type] = {}
 
 

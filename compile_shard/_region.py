@@ -140,8 +140,6 @@ from ._param import FSDPParam
 from ._versions import REGIONS_SUPPORTED, SYMBOLIC_NUMBERS_LOOK_PLAIN
 
 
-
-
 def _plain_value(value: Any) -> Any:
     """``value`` itself if plain, containers item by item (a hook dict by its hooks), else its identity.
 

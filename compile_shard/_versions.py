@@ -58,6 +58,7 @@ class CompletedGradientReduction(GradientReductionHandle):
     def wait(self) -> None:
         return None
 
+
 #: Whether sharded blocks can become compile regions: ``nested_compile_region`` takes
 #: a ``reuse_hash_fn`` from 2.13 (2.11's does not). Elsewhere every block is inlined,
 #: and ``fully_shard`` says so once ([Note: sharded blocks as nested compile regions]).

@@ -300,7 +300,11 @@ def test_an_op_calling_a_python_object_by_name_finds_the_one_bound_now_and_names
         torch.ops.fsdp.call_all_reduce_hook_(reduced, name)
         assert torch.equal(reduced, torch.full((3,), factor))
     assert calls == [2.0, 3.0]
-    del hook  # the last holder lets go: the name is free
+    replaced = lambda reduced: reduced  # noqa: E731
+    ops.bind(name, replaced)
+    del hook  # the hook bound before dies: the one bound since stays
+    torch.ops.fsdp.call_all_reduce_hook_(torch.ones(3), name)
+    del replaced  # the last holder lets go: the name is free
     missing = f"fsdp::call_all_reduce_hook_: no object is registered under the name '{name}'"
     with pytest.raises(RuntimeError, match=re.escape(missing)):
         torch.ops.fsdp.call_all_reduce_hook_(torch.ones(3), name)
