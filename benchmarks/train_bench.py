@@ -20,6 +20,8 @@ batches, each mode in its own fresh processes, one mode after the other:
 - ``cs_compiled_inlined``: ``cs_compiled`` with ``settings.compile_regions`` off: every
   block inlined into the step's graph, the default until 2026-11-27 (results before
   then call this mode ``cs_compiled`` and the regions ``cs_compiled_regions``).
+- ``cs_compiled_no_rank_check``: ``cs_compiled`` with ``settings.rank_check`` off (the
+  check's cost: docs/benchmarks.md, "Rank check").
 - ``cs_block_compiled``: torchtitan's recipe with compile_shard: ``block.compile(fullgraph=True)``
   for each block, then ``fully_shard`` per block and the root; the sharding runs eagerly
   around the compiled blocks, as FSDP2's hooks do.
@@ -55,6 +57,8 @@ Measured per mode (docs/benchmarks.md explains each method):
   whole process (``getrusage``: gloo's threads included), to tell a step's compute
   from the kernel's share and from idle waiting.
 - The largest difference of the per-step global loss from the reference.
+- Per rank, the seconds compile_shard's rank check spent comparing new graphs across
+  the ranks (``rank_check_s``), waiting for the other ranks to reach it included.
 
 Figures are printed with their ratio to ``fsdp2_eager``; ``--json`` writes everything.
 ``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
@@ -118,6 +122,7 @@ from compile_shard._collectives import KINDS, node_collective
 from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
+from compile_shard.ops.rank_check import _state as rank_check_state
 from compile_shard.models import Llama, LlamaConfig
 
 SCHEMA_VERSION = 1
@@ -269,6 +274,7 @@ class Mode:
     counted_in_graphs: bool = False
     overlap_off: bool = False
     compile_regions: bool = True
+    rank_check: bool = True
     #: DDP's reducer reads its all-reduce's result, which the fake process group does not
     #: produce (torch 2.11 and 2.13 assert in ``c10d/comm.cpp`` at the first backward).
     runs_on_fake_group: bool = True
@@ -279,6 +285,7 @@ MODES = {
     "cs_compiled": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True),
     "cs_compiled_no_overlap": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, overlap_off=True),
     "cs_compiled_inlined": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, compile_regions=False),
+    "cs_compiled_no_rank_check": Mode(_build_cs_compiled, compiled=True, counted_in_graphs=True, rank_check=False),
     "cs_block_compiled": Mode(_build_cs_block_compiled, compiled=True),
     "fsdp2_eager": Mode(_build_fsdp2),
     "fsdp2_block_compiled": Mode(_build_fsdp2_block_compiled, compiled=True),
@@ -699,6 +706,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     recorder = GraphRecorder(plan.backend, keep_graphs=plan.fake and mode.counted_in_graphs)
     overlap_off = _switch_off_overlap_passes() if mode.overlap_off else None
     compile_shard.passes.settings.compile_regions = mode.compile_regions
+    compile_shard.passes.settings.rank_check = mode.rank_check
     ctx = BuildContext(
         _mesh(plan), recorder.backend() if mode.compiled else None, plan.reshard_after_forward, plan.param_dtype
     )
@@ -732,6 +740,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
         "simulation": simulation,
         "overlap_settings_off": overlap_off,
         "memory_method": memory.method(),
+        "rank_check_s": rank_check_state.seconds,
     }
 
 
@@ -747,6 +756,9 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
         "processes": len(per_rank),
         "cold_step_s": step_times[0],
         "median_step_s": median,
+        # Per rank, the time in the rank check's exchanges (the first run of each new graph),
+        # waiting for the other ranks to reach the check included.
+        "rank_check_s": [r["rank_check_s"] for r in per_rank],
         "min_step_s": min(timed),
         "step_times_s": timed,
         "cpu_per_step": [r["cpu_per_step"] for r in per_rank],

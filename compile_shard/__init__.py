@@ -15,6 +15,7 @@ from ._api import FSDPModule, fully_shard
 from ._region import RegionInlinedWarning
 from ._stand_in import as_torch_fully_shard
 from ._versions import warn_if_untested
+from .ops import RankMismatchError
 
 warn_if_untested()
 
@@ -27,6 +28,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "RankMismatchError",
     "RegionInlinedWarning",
     "UnshardHandle",
     "as_torch_fully_shard",

@@ -31,6 +31,7 @@ from ._region import (
     runs_inlined,
 )
 from ._versions import CompletedGradientReduction, GradientReductionHandle, warn_if_regions_cannot_run
+from .ops.rank_check import raise_for_a_peer_stop
 from .passes import install
 from .passes.settings import settings
 
@@ -328,8 +329,9 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 sharded_forward = self.dynamo_ctx(sharded_forward)
             try:
                 return sharded_forward(args, kwargs)
-            except BaseException:
+            except BaseException as error:
                 _trace_the_root_frame_again()
+                raise_for_a_peer_stop(error)
                 raise
         if compiling:
             return self._sharded_forward(args, kwargs)

@@ -27,6 +27,9 @@ class Collective:
     synchronous: bool = False
     #: Index of the argument that names the process group (``None``: not in compiled graphs).
     group_arg: int | None = None
+    #: Index of the argument that holds the data sent (a tensor or a list of them); an
+    #: op that fills its first argument sends its second.
+    data_arg: int = 0
 
 
 # (namespace, op name) -> what it is. Ops a torch build lacks are left out of COLLECTIVES.
@@ -34,10 +37,10 @@ _TABLE = {
     # compile_shard's ops (compile_shard.ops).
     ("fsdp", "all_gather_into"): Collective("all_gather", size_arg=2, synchronous=True, group_arg=3),
     ("fsdp", "reduce_scatter_grad"): Collective("reduce_scatter", size_arg=1, synchronous=True, group_arg=2),
-    ("fsdp", "all_gather_send_recv_"): Collective("all_gather", size_arg=2, in_place=True, group_arg=3),
-    ("fsdp", "all_gather_params_"): Collective("all_gather", size_arg=3, in_place=True, group_arg=4),
-    ("fsdp", "all_to_all_into_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
-    ("fsdp", "all_to_all_grads_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3),
+    ("fsdp", "all_gather_send_recv_"): Collective("all_gather", size_arg=2, in_place=True, group_arg=3, data_arg=1),
+    ("fsdp", "all_gather_params_"): Collective("all_gather", size_arg=3, in_place=True, group_arg=4, data_arg=1),
+    ("fsdp", "all_to_all_into_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3, data_arg=1),
+    ("fsdp", "all_to_all_grads_"): Collective("all_to_all", size_arg=2, in_place=True, group_arg=3, data_arg=1),
     # A custom comm's collectives, waited by a wait_tensor ([Note: custom collectives] in compile_shard.ops).
     ("fsdp", "all_gather_with_comm"): Collective("all_gather", size_arg=1, group_arg=2),
     ("fsdp", "reduce_scatter_with_comm"): Collective("reduce_scatter", size_arg=1, group_arg=2),

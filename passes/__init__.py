@@ -27,7 +27,8 @@ it left whole in the joint graph ([Note: resharding to a smaller group]);
 ``reorder`` issues all-gathers ahead and reduce-scatters
 early (the schedule); with Inductor, ``gather_buffers`` lets its memory planner
 allocate (and reuse) the all-gather outputs; ``verify`` after each. ``keep_order`` makes
-Inductor's scheduler keep that schedule.
+Inductor's scheduler keep that schedule. Last, ``rank_check`` puts the check that every
+rank of a group runs the same collectives first in the graph ([Note: the rank check]).
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
 A graph holding only part of a sharded model (a graph break) raises a
@@ -46,6 +47,7 @@ from .install import JOINT_PASSES, has_sharded_params, install, run_partitioned_
 from .keep_order import keep_order
 from .lower import lower
 from .place import place
+from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
@@ -69,6 +71,7 @@ __all__ = [
     "lower",
     "overridden",
     "place",
+    "rank_check",
     "refunctionalize",
     "reorder",
     "reorder_within_budget",

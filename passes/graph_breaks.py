@@ -6,7 +6,10 @@ the break have used them, and no all-gather can be scheduled against compute on 
 other side of the break. Nothing fails, it is just slower and uses more memory, so
 the suite says so once per split, naming the groups and Dynamo's reasons. A graph
 is split when gathered parameters are among its outputs, or when it gathers only
-some of its model's groups.
+some of its model's groups. A graph whose gathered parameters leave it is marked,
+so its partitioned forward and backward say they hold part of a model
+(``holds_part_of_a_model``, which the rank check compares). One that gathers only some
+groups is not: the others may be unused (the rank check compares its collectives).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from compile_shard._annotation import group_annotation
 from .patterns import all_gather_outputs, copy_out_chain
 
 _warned: set[tuple[str, ...]] = set()
+# The key of ``node.meta["custom"]`` that marks a node of a graph holding part of a
+# sharded model; "custom" metadata follows a node through the partitioner and the passes.
+_PART_OF_A_MODEL = "compile_shard_part_of_a_model"
 
 
 class ShardedGraphBreakWarning(UserWarning):
@@ -49,6 +55,8 @@ def warn_if_partial(graph: fx.Graph) -> bool:
     leaked = sorted(_leaked_groups(graph))
     if not missing and not leaked:
         return False
+    if leaked:
+        _mark_part_of_a_model(graph)
     key = (*missing, "|", *leaked)
     if key not in _warned:
         _warned.add(key)
@@ -72,3 +80,14 @@ def warn_if_partial(graph: fx.Graph) -> bool:
             stacklevel=2,
         )
     return True
+
+
+def _mark_part_of_a_model(graph: fx.Graph) -> None:
+    for node in graph.nodes:
+        if group_annotation(node) is not None:
+            node.meta["custom"] = {**node.meta["custom"], _PART_OF_A_MODEL: True}
+
+
+def holds_part_of_a_model(graph: fx.Graph) -> bool:
+    """Whether ``graph`` came from a joint graph whose gathered parameters leave it (``warn_if_partial``)."""
+    return any(node.meta.get("custom", {}).get(_PART_OF_A_MODEL) for node in graph.nodes)

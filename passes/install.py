@@ -46,6 +46,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from compile_shard._annotation import group_annotation
+from compile_shard.ops.rank_check import count_compiles
 
 from ._graph import fsdp, is_backward
 from .bucket import bucket
@@ -58,6 +59,7 @@ from .graph_breaks import warn_if_partial
 from .keep_order import keep_order
 from .lower import lower
 from .place import place
+from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
@@ -174,6 +176,8 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     if planned_buffers and settings.gather_buffers:
         gather_buffers(graph)
         _after(gather_buffers, graph, None)
+    if settings.rank_check and rank_check(graph):
+        _after(rank_check, graph, None)
     if GraphDump.latest is not None:
         GraphDump.latest.write_partitioned("backward" if is_backward(graph) else "forward", graph, profile_name)
     return moved
@@ -256,6 +260,7 @@ class _PostGradPass(_ChainedInductorPass):
 def install() -> None:
     """Puts the suite on every hook unless it is already there."""
     turn_off_caches_when_dumping_from_environment()
+    count_compiles()
     functorch_config = torch._functorch.config
     if not isinstance(functorch_config.joint_custom_pass, _JointPass):
         functorch_config.joint_custom_pass = _JointPass(functorch_config.joint_custom_pass)

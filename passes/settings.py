@@ -61,6 +61,14 @@ class PassSettings:
     cost_profile: str | None = None
     #: Check the graph invariants after every pass (raises ``GraphInvariantError`` naming the pass).
     verify: bool = True
+    #: Start each compiled graph with the check that every rank of each of its process
+    #: groups runs the same collectives (``RankMismatchError`` instead of a hang); see
+    #: [Note: the rank check].
+    rank_check: bool = True
+    #: How long a rank that runs a newly compiled graph waits for a peer to check one
+    #: too, not counting the peer's compiles, before it reports a recompile or a graph
+    #: break on one rank only. Ranks that reach the check together never wait for it.
+    rank_check_timeout_s: float = 60.0
 
     def cache_key(self) -> str:
         fields = sorted(dataclasses.asdict(self).items())

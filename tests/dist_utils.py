@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import faulthandler
 import gc
 import multiprocessing
@@ -47,13 +48,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, fn, args, timeout: datetime.timedelta | None = None) -> None:
     # A rank killed by a signal (a crash in native code) prints every thread's Python
     # stack to the stderr pytest shows, where the test would only say which signal.
     faulthandler.enable(all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         fn(rank, world_size, *args)
         # Release what the test built (FSDP2 keeps collective work handles in reference
@@ -89,11 +92,18 @@ def _start_fork_server_without_gpus() -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
-def run_gloo(fn, world_size: int, *args) -> None:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises failures."""
+def run_gloo(fn, world_size: int, *args, timeout: datetime.timedelta | None = None) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises failures.
+
+    ``timeout``: the process group's (gloo's default, 30 minutes, if ``None``).
+    """
     _start_fork_server_without_gpus()
     mp.start_processes(
-        _entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
+        _entry,
+        args=(world_size, _free_port(), fn, args, timeout),
+        nprocs=world_size,
+        join=True,
+        start_method="forkserver",
     )
 
 

@@ -775,7 +775,7 @@ def test_the_suite_verifies_after_each_pass_and_blames_the_one_that_broke_an_inv
 def test_each_pass_is_named_once_by_its_function_module_and_switch():
     import compile_shard.passes as passes
 
-    for graph_pass in (*passes.JOINT_PASSES, passes.reorder, passes.gather_buffers):
+    for graph_pass in (*passes.JOINT_PASSES, passes.reorder, passes.gather_buffers, passes.rank_check):
         name = graph_pass.__name__
         assert graph_pass.__module__ == f"compile_shard.passes.{name}"
         assert isinstance(getattr(passes.settings, name), bool), name

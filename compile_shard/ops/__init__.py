@@ -19,6 +19,8 @@ One module per job; importing this package registers every op:
   ``reduce_scatter_with_comm`` (a custom reduce-scatter);
 - ``names``: the Python objects (hooks, custom comms) op arguments name;
 - ``storage``: ``set_``, ``resize_storage_``;
+- ``rank_check``: ``rank_check``, the check that a group's ranks run the same
+  collectives, which the pass of that name puts first in each compiled graph;
 - ``transport``: the gloo point-to-point exchange the gloo ops share;
 - ``backend``: whether a group uses a ``_c10d_functional`` collective or that exchange;
 - ``checks``: checks several op families share.
@@ -63,6 +65,7 @@ from .reduce_scatter import (
     sum_shards,
 )
 from .names import bind, new_name
+from .rank_check import RankMismatchError
 from .storage import resize_storage_, set_
 
 __all__ = [
@@ -73,6 +76,7 @@ __all__ = [
     "as_gathered",
     "as_gathered_views",
     "bind",
+    "RankMismatchError",
     "call_all_reduce_hook_",
     "new_name",
     "post_forward_chunk",
