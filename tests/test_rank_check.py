@@ -20,15 +20,13 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from dist_utils import FakeProcessGroup, run_gloo, tmp_path_for_workers
-from graph_utils import CapturingBackend, trace
-
 from torch.distributed.device_mesh import init_device_mesh
 
 from compile_shard import fully_shard
@@ -37,6 +35,8 @@ from compile_shard.debug import recompiles
 from compile_shard.ops.rank_check import _digest, _state, mismatch_message
 from compile_shard.passes import ShardedGraphBreakWarning, overridden, rank_check, warn_if_partial
 from compile_shard.passes.rank_check import collective_record
+from dist_utils import FakeProcessGroup, run_gloo, tmp_path_for_workers
+from graph_utils import CapturingBackend, trace
 
 _DIM = 15  # odd: the ranks hold uneven shards
 _HANG = datetime.timedelta(seconds=60)
@@ -243,6 +243,7 @@ def _run_and_record(rank: int, folder: str, train) -> None:
     except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
         _outcome["raised"] = type(error).__name__
         _outcome["message"] = str(error)
+        _outcome["traceback"] = traceback.format_exc()
         _outcome["seconds"] = time.monotonic() - _outcome.get("step_started", time.monotonic())
     _outcome.pop("step_started", None)
     Path(folder, f"{rank}.json").write_text(json.dumps(_outcome))

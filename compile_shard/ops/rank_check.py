@@ -27,24 +27,25 @@ waits for nothing, and a mismatch cannot hang the check itself.
   comparing with that peer's last record of the same graph.
 
 A rank that raises sets the job's ``stop`` key to its message: a mismatch in one group
-stops the job, and every rank should say why. A rank blocked in a collective cannot
-raise where it waits; a thread started at a rank's first check polls ``stop`` once a
-second, keeps the message and says so on stderr. A rank that raises waits up to
-``_STOP_GRACE_S`` until every rank knows the stop (``_stop``): one of them hosts the
-store. On gloo a blocked rank's collective fails as its peer's process exits; the
-root's compiled forward then raises the peer's ``RankMismatchError`` instead of the
-collective's error (``raise_for_a_peer_stop``). A backward cannot: there the message
-is on stderr.
+stops the job, and every rank should say why. A rank waiting in a round of another
+group, or finishing a round of its own, reads it and raises it. A rank blocked in a
+collective (it passed its checks before the stop was set) cannot raise where it waits: on gloo its collective fails as the raising rank's process exits, and the
+root's compiled forward then reads ``stop`` and raises the same ``RankMismatchError``
+instead of the collective's error (``raise_for_a_peer_stop``), where the store is
+still there: the rank that hosts it (rank 0, for ``init_process_group``'s) waits up
+to ``_STOP_GRACE_S`` for the others to know before it raises. Nothing polls for the
+stop in between: a thread that polled once a second cost 3-6% of config B's steady
+step on two cores (docs/benchmarks.md, "Rank check").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import torch
@@ -56,12 +57,15 @@ _lib.define("rank_check(str record) -> ()")
 torch.fx.node.has_side_effect(torch.ops.fsdp.rank_check.default)
 
 _PREFIX = "compile_shard/rank_check"
-_DIGEST_POLL_S = 0.01
+# A waiting rank polls the store at 1 ms, doubling up to 100 ms: a peer that arrives at
+# once is seen at once, and one that is still compiling is not slowed by the polling
+# (the store lives in rank 0's process, on the cores the compiles run on; a fixed 10 ms
+# poll cost config B's cold step about 2%).
+_FIRST_POLL_S = 0.001
+_LAST_POLL_S = 0.1
 # Ranks a mismatch message describes (of a group of thousands, the first few).
 _PEERS_SHOWN = 3
-_STOP_POLL_S = 1.0
-_STOP_GRACE_S = 3.0 * _STOP_POLL_S
-_log = logging.getLogger("compile_shard")
+_STOP_GRACE_S = 3.0
 
 
 class RankMismatchError(RuntimeError):
@@ -69,19 +73,16 @@ class RankMismatchError(RuntimeError):
 
 
 class _State:
-    """What this process has checked and heard; shared by the kernel, the stop poller and the root's forward."""
+    """What this process has checked and heard; shared by the kernel and the root's forward."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.checked_records: set[str] = set()
         self.agreed: set[tuple[str, str]] = set()  # (group, digest)
         self.rounds: dict[str, int] = {}
-        # The first mismatch this rank found or heard of: the job's stop.
-        self.stop_message: str | None = None
         self.knows_the_stop = False
         # Seconds spent checking new records (benchmarks/train_bench.py reports them).
         self.seconds = 0.0
-        self.poller: threading.Thread | None = None
 
 
 _state = _State()
@@ -132,13 +133,17 @@ def _check_group(group: str, digest: str, record: dict) -> None:
     store.set(f"{round_}/{rank}/digest", digest)
     store.set(f"latest/{rank}", str(round_))
     store.add(f"{round_}/posted", 1)
-    _start_stop_poller()
     all_posted = _wait_for_round(store, round_, len(members), timeout_s)
     posted = peers if all_posted else [peer for peer in peers if store.check([f"{round_}/{peer}/digest"])]
     digests = store.multi_get([f"{round_}/{peer}/digest" for peer in posted]) if posted else []
     differing = [peer for peer, theirs in zip(posted, digests) if theirs.decode() != digest]
     missing = [peer for peer in peers if peer not in posted]
     if not differing and not missing:
+        # A peer of this group may have stopped after it checked this round (in another
+        # group's round): this rank would block in the group's first collective.
+        stop_message = _read_stop()
+        if stop_message is not None:
+            _stop(stop_message)
         return
     shown = (differing + missing)[:_PEERS_SHOWN]
     records = {
@@ -158,15 +163,34 @@ def _wait_for_round(store: dist.Store, round_: int, size: int, timeout_s: float)
     may never check.
     """
     waited_since = time.monotonic()
+    pauses = _pauses()
     while store.add(f"{round_}/posted", 0) < size:
-        if _state.stop_message is not None:
-            _stop(_state.stop_message)
+        stop_message = _read_stop()
+        if stop_message is not None:
+            _stop(stop_message)
         if _job_store().add(_COMPILING, 0) > 0:
             waited_since = time.monotonic()
         elif time.monotonic() - waited_since > timeout_s:
             return False
-        time.sleep(_DIGEST_POLL_S)
+        time.sleep(next(pauses))
     return True
+
+
+def _pauses() -> Iterator[float]:
+    """The pauses between a waiting rank's polls: ``_FIRST_POLL_S``, doubling up to ``_LAST_POLL_S``, then that forever."""
+    pause = _FIRST_POLL_S
+    while True:
+        yield pause
+        pause = min(2 * pause, _LAST_POLL_S)
+
+
+def _poll_until(done: Callable[[], bool], seconds: float) -> None:
+    """Polls ``done`` with ``_pauses()`` until it holds or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    for pause in _pauses():
+        if done() or time.monotonic() >= deadline:
+            return
+        time.sleep(pause)
 
 
 def _last_record(store: dist.Store, peer: int, record: dict) -> dict | None:
@@ -185,20 +209,18 @@ def _stop(message: str) -> NoReturn:
 
     Ranks read each other's records and the message from the store, which rank 0 hosts
     where ``init_process_group`` started it: no rank leaves before all know, and rank 0
-    leaves last; none waits for a rank that will never know.
+    leaves last. A rank blocked in a collective knows only once its collective fails,
+    after this one has left: it is waited for no longer than the grace.
     """
-    _state.stop_message = message
-    deadline = time.monotonic() + _STOP_GRACE_S
     world_size = dist.get_world_size()
     try:
         store = _job_store()
         store.compare_set(_STOP, "", message)
         _know_the_stop()
-        while time.monotonic() < deadline and store.add(_KNOWN, 0) < world_size:
-            time.sleep(_DIGEST_POLL_S)
+        _poll_until(lambda: store.add(_KNOWN, 0) >= world_size, _STOP_GRACE_S)
         store.add(_LEFT, 1)
-        while dist.get_rank() == 0 and time.monotonic() < deadline + _STOP_GRACE_S and store.add(_LEFT, 0) < world_size:
-            time.sleep(_DIGEST_POLL_S)
+        if dist.get_rank() == 0:
+            _poll_until(lambda: store.add(_LEFT, 0) >= world_size, _STOP_GRACE_S)
     except RuntimeError:
         pass  # the rank that hosts the store has left: every rank is stopping
     raise RankMismatchError(message)
@@ -249,12 +271,6 @@ def _compile_ended(*args) -> None:
     _count_compile(-1)
 
 
-def _start_stop_poller() -> None:
-    if _state.poller is None:
-        _state.poller = threading.Thread(target=_poll_stops, name="compile_shard rank check", daemon=True)
-        _state.poller.start()
-
-
 def _read_stop() -> str | None:
     """The job's ``stop`` message, if a rank set one (``None`` also when the store or the group is gone)."""
     try:
@@ -264,28 +280,17 @@ def _read_stop() -> str | None:
         return None
 
 
-def _poll_stops() -> None:
-    """Keeps the job's ``stop`` message once another rank sets it, takes it, and says so on stderr."""
-    while dist.is_initialized() and _state.stop_message is None:
-        time.sleep(_STOP_POLL_S)
-        message = _read_stop()
-        if message is not None and _state.stop_message is None:
-            _state.stop_message = message
-            _log.error("%s", message)
-            try:
-                _know_the_stop()
-            except RuntimeError:
-                return  # the store is gone with the rank that hosted it
-
-
 def raise_for_a_peer_stop(error: BaseException) -> None:
     """Raises a peer's ``RankMismatchError`` for ``error`` (a collective failing) if a rank stopped the job."""
-    if isinstance(error, RankMismatchError) or _state.poller is None:
+    if isinstance(error, RankMismatchError) or not _state.rounds:
         return
-    if _state.stop_message is None:
-        _state.stop_message = _read_stop()
-    if _state.stop_message is not None:
-        raise RankMismatchError(_state.stop_message) from error
+    stop_message = _read_stop()
+    if stop_message is not None:
+        try:
+            _know_the_stop()
+        except RuntimeError:
+            pass  # the store is going with the job
+        raise RankMismatchError(stop_message) from error
 
 
 def _first_difference(ours: list[str], theirs: list[str]) -> int:
