@@ -235,8 +235,13 @@ _outcome: dict = {}
 
 
 def _run_and_record(rank: int, folder: str, train) -> None:
-    """Runs ``train()``; writes what it raised to ``folder/<rank>.json``; leaves the process as a failed job's rank does."""
+    """Runs ``train()``; writes what it raised to ``folder/<rank>.json``; leaves the process as a failed job's rank does.
+
+    ``seconds``: from the moment the rank ran its step's graphs (the step's start, or
+    the end of its last compile) to the error, the time the ranks' mismatch cost.
+    """
     _outcome.clear()
+    torch._dynamo.callback_handler.register_end_callback(lambda *args: _outcome.update(compiled=time.monotonic()))
     try:
         train()
         _outcome["raised"] = None
@@ -244,8 +249,10 @@ def _run_and_record(rank: int, folder: str, train) -> None:
         _outcome["raised"] = type(error).__name__
         _outcome["message"] = str(error)
         _outcome["traceback"] = traceback.format_exc()
-        _outcome["seconds"] = time.monotonic() - _outcome.get("step_started", time.monotonic())
+        running_since = max(_outcome.get("step_started", 0.0), _outcome.get("compiled", 0.0))
+        _outcome["seconds"] = time.monotonic() - running_since
     _outcome.pop("step_started", None)
+    _outcome.pop("compiled", None)
     Path(folder, f"{rank}.json").write_text(json.dumps(_outcome))
     if _outcome["raised"] is None:
         dist.barrier()
