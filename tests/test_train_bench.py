@@ -54,6 +54,7 @@ MODE_FIELDS = {
     "overlap_settings_off",
     "max_loss_diff",
     "ratios",
+    "rank_check_s",
 }
 SMOKE_STEPS, SMOKE_WARMUP = 3, 1
 
@@ -124,6 +125,10 @@ def test_gloo_report_schema_and_ratios(gloo_report):
     assert all(result["mallopt_applied"] for result in gloo_report["modes"].values())  # glibc on this machine
     processes = {name: result["processes"] for name, result in gloo_report["modes"].items()}
     assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1}
+    # aot_eager has no post-partition hook, so no rank check runs: every rank reports 0 s.
+    assert {name: result["rank_check_s"] for name, result in gloo_report["modes"].items()} == {
+        name: [0.0] * count for name, count in processes.items()
+    }
 
 
 def test_gloo_losses_match_the_reference(gloo_report):
