@@ -15,7 +15,9 @@ naming the first differing collective instead of hanging.
 The record lives in the graph, not in this process: a graph loaded from Inductor's or
 AOTAutograd's cache carries the check it was compiled with, and the check sees what
 the rank runs, after ``reorder``, from whichever cache. The record holds nothing
-rank-specific (ranks of a shared cache may load each other's graphs), and the pass runs
+rank-specific (ranks of a shared cache may load each other's graphs) but, while graphs
+are dumped, the rank's dump folder of the graph: dumping turns the caches off, and the
+digest the ranks compare leaves the folder out. The pass runs
 last, on the final partitioned graphs, so the order recorded is the order issued.
 Graphs whose collectives run on no group of two or more real ranks (the fake process
 group of the graph tests, a world of one) are left alone.
@@ -35,6 +37,7 @@ from compile_shard._annotation import group_annotation
 from compile_shard._collectives import node_collective
 
 from ._graph import fsdp, invoke_subgraph, is_backward, op_argument, region_module
+from .dump import GraphDump
 from .graph_breaks import holds_part_of_a_model
 from .settings import settings
 
@@ -121,6 +124,8 @@ def rank_check(graph: fx.Graph) -> int:
     record = collective_record(graph, group_ranks)
     if record is None or graph.find_nodes(op="call_function", target=fsdp.rank_check.default):
         return 0
+    if GraphDump.latest is not None:
+        record["dump"] = str(GraphDump.latest.folder)
     first = next(node for node in graph.nodes if node.op != "placeholder")
     with graph.inserting_before(first):
         check = graph.call_function(fsdp.rank_check.default, (json.dumps(record, sort_keys=True),))

@@ -34,6 +34,7 @@ from compile_shard._annotation import GroupAnnotation, write_group_annotation
 from compile_shard.debug import recompiles
 from compile_shard.ops.rank_check import _digest, _state, mismatch_message
 from compile_shard.passes import ShardedGraphBreakWarning, overridden, rank_check, warn_if_partial
+from compile_shard.passes.dump import GraphDump
 from compile_shard.passes.rank_check import collective_record
 from dist_utils import FakeProcessGroup, run_gloo, tmp_path_for_workers
 from graph_utils import CapturingBackend, trace
@@ -145,6 +146,23 @@ def test_rank_check_puts_the_record_first_once(monkeypatch):
     assert len(graph.find_nodes(op="call_function", target=torch.ops.fsdp.rank_check.default)) == 1
 
 
+def test_while_dumping_the_record_names_the_graphs_dump_folder(monkeypatch, tmp_path):
+    monkeypatch.setattr(rank_check_pass, "group_ranks", _PAIRS.get)
+    monkeypatch.setattr(GraphDump, "latest", None)
+    graph = _graph()
+    rank_check(graph)
+    assert "dump" not in json.loads(_check_node(graph).args[0])
+    monkeypatch.setattr(GraphDump, "latest", GraphDump(tmp_path / "rank0" / "graph_003"))
+    graph = _graph()
+    rank_check(graph)
+    assert json.loads(_check_node(graph).args[0])["dump"] == str(tmp_path / "rank0" / "graph_003")
+
+
+def _check_node(graph):
+    (check,) = graph.find_nodes(op="call_function", target=torch.ops.fsdp.rank_check.default)
+    return check
+
+
 def test_rank_check_leaves_graphs_of_the_fake_group_and_without_collectives_alone():
     with FakeProcessGroup(2):
         name = dist.distributed_c10d._get_default_group().group_name
@@ -198,6 +216,16 @@ def test_the_message_tells_a_split_graph_and_a_late_peer():
     assert "a recompile or a graph break on rank 1 only" in late
     assert "#1 of the forward graph.\n  rank 1: all_gather_into_tensor float32[12] of a\n  rank 0: none" in late
     assert "rank-dependent branch" not in late
+
+
+def test_the_message_names_each_ranks_dump_folder_or_how_to_dump():
+    ours, theirs = _record(["all_gather_into_tensor float32[12] of a"]), _record([])
+    assert "dump them: compile_shard.debug.dump_graphs(path)" in mismatch_message("0,1", 0, ours, {1: theirs}, [], 60.0)
+    ours["dump"], theirs["dump"] = "dumps/rank0/graph_001", "dumps/rank1/graph_002"
+    message = mismatch_message("0,1", 0, ours, {1: theirs}, [], 60.0)
+    assert "Rank 0's graph and its passes are dumped in dumps/rank0/graph_001." in message
+    assert "Rank 1's graph and its passes are dumped in dumps/rank1/graph_002." in message
+    assert "dump_graphs(path)" not in message
 
 
 def test_the_digest_covers_the_kind_the_split_and_the_collectives_not_the_settings():

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -335,9 +334,10 @@ def mismatch_message(
                 f"  rank {rank}: {_at(ours, index)}\n  rank {peer}: {_at(sequence, index)}"
             )
         lines.extend(_causes(rank, record, peer, theirs, late=peer in missing))
-    dump_dir = os.environ.get("COMPILE_SHARD_DUMP_DIR")
-    if dump_dir:
-        lines.append(f"Each rank's graphs are dumped under {dump_dir}.")
+    # Each rank's folder of this graph, recorded by the pass while dumping.
+    dumps = {which: where["dump"] for which, where in [(rank, record), *records.items()] if where and "dump" in where}
+    if dumps:
+        lines.extend(f"Rank {which}'s graph and its passes are dumped in {path}." for which, path in sorted(dumps.items()))
     else:
         lines.append("To compare the ranks' graphs, dump them: compile_shard.debug.dump_graphs(path), docs/debugging.md.")
     return "\n".join(lines)
