@@ -4,6 +4,8 @@
     python benchmarks/profile_step.py --mode fsdp2_eager
     python benchmarks/profile_step.py --mode ddp_compiled --config A
     python benchmarks/profile_step.py --mode cs_compiled_inlined   # settings.compile_regions off
+    python benchmarks/profile_step.py --mode cs_compiled_no_rank_check   # settings.rank_check off
+    python benchmarks/profile_step.py --mode cs_compiled --op rank_check  # that operator's calls and time
     python benchmarks/profile_step.py --mode cs_compiled --config A --no-reshard-after-forward
     python benchmarks/profile_step.py --mode cs_compiled --mp bf16   # bf16 parameters, fp32 reductions
 
@@ -50,6 +52,7 @@ def _build(mode: str, config, reshard_after_forward: bool, mp: str) -> torch.nn.
         shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy or MixedPrecisionPolicy())
     shard(model, mp_policy=policy or MixedPrecisionPolicy())
     compile_shard.passes.settings.compile_regions = mode != "cs_compiled_inlined"
+    compile_shard.passes.settings.rank_check = mode != "cs_compiled_no_rank_check"
     return torch.compile(model) if mode.startswith("cs_compiled") else model
 
 
@@ -61,7 +64,7 @@ def _step(model, optimizer, tokens) -> None:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool, mp: str
+    rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool, mp: str, op: str | None
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -80,12 +83,12 @@ def _worker(
                 _step(model, optimizer, tokens)
         dist.barrier()
         if rank == 0:
-            _report(profiler, mode, top)
+            _report(profiler, mode, top, op)
     finally:
         dist.destroy_process_group()
 
 
-def _report(profiler, mode: str, top: int) -> None:
+def _report(profiler, mode: str, top: int, op: str | None) -> None:
     events = profiler.key_averages()
     total = sum(event.self_cpu_time_total for event in events)
     communication = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMMUNICATION))
@@ -95,15 +98,19 @@ def _report(profiler, mode: str, top: int) -> None:
     print(f"  optimizer (foreach ops):   {100 * optimizer / total:5.1f}%")
     print(f"  everything else (compute): {100 * (total - communication - optimizer) / total:5.1f}%")
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    if op is not None:
+        matching = [f"{e.key}: {e.count} calls, {e.cpu_time_total:.1f} us in all" for e in events if op in e.key]
+        print(f"operators named *{op}*: {'; '.join(matching) or 'none ran'}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ("cs_compiled", "cs_compiled_inlined", "cs_eager", "fsdp2_eager", "ddp_compiled")
+    modes = ("cs_compiled", "cs_compiled_inlined", "cs_compiled_no_rank_check", "cs_eager", "fsdp2_eager", "ddp_compiled")
     parser.add_argument("--mode", choices=modes, default="cs_compiled")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--op", help="also print the calls and CPU time of the operators whose name contains this")
     parser.add_argument(
         "--no-reshard-after-forward",
         dest="reshard_after_forward",
@@ -118,7 +125,7 @@ def main(argv=None) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward, args.mp)
+    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward, args.mp, args.op)
     mp.spawn(_worker, args=spawn_args, nprocs=args.world_size, join=True)
 
 
