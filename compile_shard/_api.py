@@ -165,7 +165,7 @@ class FSDPState:
             and torch.compiler.is_compiling()
             and not self.is_root
             and bool(self.region_modules)
-            and self.group.fsdp_params[0].unsharded_param is not None
+            and self.group.shown_params[0] is not None
             # Over one rank nothing is gathered, and the unsharded parameters are views of
             # one tensor: a region refuses arguments that alias each other.
             and self.group.world_size > 1

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
 from ._annotation import GroupAnnotation, annotating_group
-from ._param import FSDPParam
+from ._param import FSDPParam, share_slots
 from ._versions import REDUCES_IN_THE_PARAMETER_DTYPE, ROUNDS_EACH_GRADIENT_CONTRIBUTION
 
 
@@ -276,6 +276,8 @@ class FSDPParamGroup:
         reshard_group: ReshardGroup | None = None,
     ):
         self.fsdp_params = fsdp_params
+        # What the modules read, and the eager use flags, per parameter ([Note: one mutated list per group]).
+        self.shown_params, self.use_flags = share_slots(fsdp_params)
         self.module_name = module_name
         self.mesh = mesh
         # The shard dimension's group gathers and reduce-scatters; on HSDP's 2-D mesh each
@@ -757,13 +759,13 @@ class FSDPParamGroup:
 
     def show_traced_unsharded_params(self) -> bool:
         """Inside a trace: gathers and shows the group unless it is already shown."""
-        if self.fsdp_params[0].unsharded_param is not None:
+        if self.shown_params[0] is not None:
             return False
-        for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
+        for slot, (fsdp_param, tensor) in enumerate(zip(self.fsdp_params, self.traced_unsharded_params())):
             fsdp_param.show_unsharded(tensor)
             # The compiled backward finds unused parameters itself (passes.unused_params): an eager
             # watch, left by a gather whose backward never ran, must not judge its gradients.
-            fsdp_param.used_since_reduction = None
+            self.use_flags[slot] = None
         return True
 
     def hide_traced_unsharded_params(self) -> None:

@@ -370,17 +370,39 @@ class FSDPParam:
                 + ("a DTensor" if self.tp_spec is not None else f"sharded on dim {shard_dim}")
                 + "; compile_shard supports extensions on plain parameters sharded on dim 0"
             )
-        self.unsharded_param: torch.Tensor | None = None
+        # The slots behind unsharded_param and used_since_reduction: this parameter's own until
+        # its group shares them ([Note: one mutated list per group]).
+        self._shown: list[torch.Tensor | None] = [None]
+        self._used: list[bool | None] = [None]
+        self._slot = 0
         # The dtype each read rounds its gradient contribution to, set by the group
         # ([Note: gradient contributions]); None: contributions add in the read's dtype.
         self.contribution_dtype: torch.dtype | None = None
-        # Eager only: whether backward reached an unsharded parameter since the last sharded
-        # gradient, None where nothing watches ([Note: unused parameters] in passes.unused_params).
-        self.used_since_reduction: bool | None = None
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
             usage.module.register_load_state_dict_post_hook(_adopting_loaded_params)
+
+    @property
+    def unsharded_param(self) -> torch.Tensor | None:
+        """What the modules read between ``show_unsharded`` and ``show_sharded``; ``None`` otherwise."""
+        return self._shown[self._slot]
+
+    @unsharded_param.setter
+    def unsharded_param(self, value: torch.Tensor | None) -> None:
+        self._shown[self._slot] = value
+
+    @property
+    def used_since_reduction(self) -> bool | None:
+        """Eager only: whether backward reached the unsharded parameter since the last sharded gradient.
+
+        ``None`` where nothing watches ([Note: unused parameters] in passes.unused_params).
+        """
+        return self._used[self._slot]
+
+    @used_since_reduction.setter
+    def used_since_reduction(self, value: bool | None) -> None:
+        self._used[self._slot] = value
 
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` with the shard dim first, or back: a transposed view ([Note: sharding on another dim])."""
@@ -501,19 +523,20 @@ class FSDPParam:
 
     def show_sharded(self) -> None:
         """The modules read the sharded parameter again; freeing the unsharded storage is the group's job."""
-        self.unsharded_param = None
+        self._shown[self._slot] = None
 
     def show_unsharded(self, unsharded_param: torch.Tensor) -> None:
         """The modules read ``unsharded_param`` until ``show_sharded`` (a tensor-parallel one as a DTensor again)."""
         if self.tp_spec is not None:
             unsharded_param = unsharded_dtensor(unsharded_param, self.tp_spec, self.spmd_data_parallel_dims)
-        self.unsharded_param = unsharded_param
+        self._shown[self._slot] = unsharded_param
 
     def unsharded_local(self) -> torch.Tensor:
         """The tensor ``show_unsharded`` was given: a tensor-parallel parameter's local tensor."""
+        unsharded_param = self._shown[self._slot]
         if self.tp_spec is None:
-            return self.unsharded_param
-        return unsharded_local(self.unsharded_param, self.spmd_data_parallel_dims)
+            return unsharded_param
+        return unsharded_local(unsharded_param, self.spmd_data_parallel_dims)
 
     def module_attribute(self) -> torch.Tensor:
         """What ``module.<name>`` returns for every module that uses this parameter.
@@ -523,11 +546,12 @@ class FSDPParam:
         FSDP2's registration semantics. Each read rounds its own gradient contribution
         where FSDP2 does ([Note: gradient contributions]).
         """
-        if self.unsharded_param is None:
+        unsharded_param = self._shown[self._slot]  # not the property: traced, a call costs an inlining
+        if unsharded_param is None:
             return self.sharded_param
         if self.contribution_dtype is None:
-            return self.unsharded_param
-        return _RoundedGradient.apply(self.unsharded_param, self.contribution_dtype)
+            return unsharded_param
+        return _RoundedGradient.apply(unsharded_param, self.contribution_dtype)
 
     def validate_device(self, device_type: str) -> None:
         """Raises for a parameter the forward cannot gather: still on meta, or off the mesh's device.
@@ -626,3 +650,25 @@ class FSDPParam:
         ops.set_(local_tensor, self.rows_of(padded[: self.shard_rows]))
         self.padded_shard = padded
         self.shard = self._new_shard()
+
+
+def share_slots(fsdp_params: list[FSDPParam]) -> tuple[list[torch.Tensor | None], list[bool | None]]:
+    """Puts a group's unsharded parameters and use flags in one list each; returns the two lists.
+
+    [Note: one mutated list per group]
+    A traced forward shows each group's unsharded parameters to its modules and hides
+    them again (``unsharded_param``), and clears the eager use flags
+    (``used_since_reduction``). Dynamo replays every Python object a trace mutated
+    after each call of the compiled graph, and at compile time formats a user stack
+    for each one, logged or not (torch's ``side_effect_replay_policy``). Held as
+    attributes of each ``FSDPParam``, those were 9 mutated objects in every block of
+    a Llama; held in two lists per group, they are 2. The traced code writes and
+    reads the slots directly: a property call costs Dynamo an inlined call, which
+    outweighed the saving (docs/benchmarks.md, "What a block's capture costs").
+    """
+    shown = [fsdp_param.unsharded_param for fsdp_param in fsdp_params]
+    used = [fsdp_param.used_since_reduction for fsdp_param in fsdp_params]
+    for slot, fsdp_param in enumerate(fsdp_params):
+        fsdp_param._shown, fsdp_param._used, fsdp_param._slot = shown, used, slot
+    return shown, used
+

@@ -97,6 +97,25 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     _assert_reshards(model, forward, backward)
 
 
+def test_a_traced_forward_mutates_two_lists_per_group_and_no_parameter(monkeypatch):
+    """Dynamo replays, and formats a stack for, every object a trace mutates ([Note: one mutated list per group])."""
+    side_effects = torch._dynamo.side_effects.SideEffects
+    if not hasattr(side_effects, "_format_side_effect_message"):
+        pytest.skip("this torch formats no message per mutated object")
+    mutated = []
+    original = side_effects._format_side_effect_message
+
+    def recording(self, var):
+        mutated.append(var.python_type_name())
+        return original(self, var)
+
+    monkeypatch.setattr(side_effects, "_format_side_effect_message", recording)
+    _compile_with_regions(2)
+    groups = N_LAYERS + 1
+    assert "FSDPParam" not in mutated
+    assert 0 < mutated.count("list") <= 2 * groups, mutated
+
+
 def _assert_reshards(model, forward, backward):
     """Backward gathers every block again; forward saves no gathered parameter."""
     assert op_counts(forward.graph)["all_gather"] == N_LAYERS + 1
