@@ -121,8 +121,9 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
     also in the middle of a forward. The module's class is swapped for a subclass
     whose property ``<name>`` returns what the forward should use
     (``FSDPParam.module_attribute``): the unsharded tensor between unshard and
-    reshard. Unsharding changes one attribute of the ``FSDPParam`` instead of
-    rewriting the ``_parameters`` dicts of every module that uses the parameter.
+    reshard. Unsharding changes the parameter's slot in its group's list
+    ([Note: one mutated list per group]) instead of rewriting the ``_parameters``
+    dicts of every module that uses the parameter.
     """
     module = usage.module
     managed = module.__dict__.setdefault(_MANAGED_ATTR, {})
