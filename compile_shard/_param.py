@@ -672,4 +672,3 @@ def share_slots(fsdp_params: list[FSDPParam]) -> tuple[list[torch.Tensor | None]
     for slot, fsdp_param in enumerate(fsdp_params):
         fsdp_param._shown, fsdp_param._used, fsdp_param._slot = shown, used, slot
     return shown, used
-

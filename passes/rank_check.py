@@ -17,8 +17,8 @@ AOTAutograd's cache carries the check it was compiled with, and the check sees w
 the rank runs, after ``reorder``, from whichever cache. The record holds nothing
 rank-specific (ranks of a shared cache may load each other's graphs) but, while graphs
 are dumped, the rank's dump folder of the graph: dumping turns the caches off, and the
-digest the ranks compare leaves the folder out. The pass runs
-last, on the final partitioned graphs, so the order recorded is the order issued.
+digest the ranks compare leaves the folder out. The pass runs last, on the final
+partitioned graphs, so the order recorded is the order issued.
 Graphs whose collectives run on no group of two or more real ranks (the fake process
 group of the graph tests, a world of one) are left alone.
 """
