@@ -4,6 +4,7 @@
     python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --json cold.json
     python benchmarks/cold_start.py --config B --modes cs_compiled,cs_compiled_inlined --symbolic
     python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled --warm  # a restarted job
+    python benchmarks/cold_start.py --config B --modes fsdp2_block_compiled,cs_compiled_saved --warm  # one that loads its step
 
 The cold-step target holds compile_shard's cold first step (compilation included) to 1.5x that of
 FSDP2 with per-block compile. This script separates what that ratio is made of: the
@@ -24,7 +25,10 @@ trace, Inductor's forward and backward compiles), the C++ kernels the step built
 source), and the median of five steps after the second: the compiled step's
 computation, with no communication to wait for. ``--warm`` measures a restarted job
 instead: Inductor's and AOTAutograd's caches on, and each mode's step measured in a
-second process that starts from the cache directory the first one filled.
+second process that starts from the cache directory the first one filled;
+``cs_compiled_saved`` is ``cs_compiled`` with ``compile_shard.load_cache_artifacts``
+before ``torch.compile`` and ``save_cache_artifacts`` after the first step, so that the
+second process loads Dynamo's trace too.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
+import torch._inductor.runtime.cache_dir_utils
 import torch.nn as nn
 
 import compile_shard.passes
@@ -79,6 +84,19 @@ def _train_bench_mode(name: str) -> Callable[[nn.Module, str], nn.Module]:
     return build
 
 
+def _saved_step_folder() -> Path:
+    """Where ``cs_compiled_saved`` keeps its saved step: the run's own Inductor cache directory."""
+    return Path(torch._inductor.runtime.cache_dir_utils.cache_dir()) / "compile_shard_saved_step"
+
+
+def _build_cs_compiled_saved(model: nn.Module, backend: str) -> nn.Module:
+    """``cs_compiled`` that loads the step an earlier process saved (``compile_shard.load_cache_artifacts``)."""
+    compile_shard.passes.settings.compile_regions = True
+    sharded = train_bench._build_cs(model, train_bench.BuildContext(mesh=None, backend=backend))
+    compile_shard.load_cache_artifacts(_saved_step_folder())
+    return torch.compile(sharded, backend=backend)
+
+
 MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
     "fsdp2_block_compiled": _train_bench_mode("fsdp2_block_compiled"),
     "unsharded_block_compiled": train_bench.compile_blocks,
@@ -87,6 +105,7 @@ MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
     "cs_compiled": _train_bench_mode("cs_compiled"),
     "cs_compiled_inlined": _train_bench_mode("cs_compiled_inlined"),
     "cs_block_compiled": _train_bench_mode("cs_block_compiled"),
+    "cs_compiled_saved": _build_cs_compiled_saved,
 }
 
 
@@ -130,6 +149,8 @@ def _measure(mode: str, config_name: str, world_size: int, backend: str, symboli
             return time.perf_counter() - start
 
         cold_step_s = step()
+        if mode == "cs_compiled_saved":
+            compile_shard.save_cache_artifacts(_saved_step_folder())
         second_step_s = step()
         steady_step_s = statistics.median(step() for _ in range(STEADY_STEPS))
     finally:

@@ -64,6 +64,14 @@ class CompletedGradientReduction(GradientReductionHandle):
 #: and ``fully_shard`` says so once ([Note: sharded blocks as nested compile regions]).
 REGIONS_SUPPORTED = TORCH_VERSION >= (2, 13)
 
+#: Dynamo keeps what it traced for another process (``caching_precompile``), and
+#: compiles anew next to a loaded trace whose guards fail (a changed model, a new input
+#: shape): from 2.15. Torch 2.13 and 2.14 load compile_shard's saved trace, but their
+#: Dynamo then fails any new compile of the same function ("Name '__builtins_dict___0'
+#: already exists in scope"), so their file holds AOTAutograd's and Inductor's output
+#: only ([Note: a restarted job loads its compiled step] in compile_shard._cache_artifacts).
+CACHES_DYNAMO_OUTPUT = TORCH_VERSION >= (2, 15)
+
 #: Dynamo answers ``__class__`` of a symbolic size or number with ``int`` or ``float``
 #: from 2.14 (2.13: ``SymInt``, ``SymFloat``), so a region's key asks the trace itself
 #: there (``comptime``) which sizes and numbers are symbolic.
