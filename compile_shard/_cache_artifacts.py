@@ -51,7 +51,20 @@ from ._versions import CACHES_DYNAMO_OUTPUT
 __all__ = ["load_cache_artifacts", "save_cache_artifacts"]
 
 _FORMAT = 1
-_SOURCES = tuple(sorted(str(path) for path in Path(__file__).parent.parent.glob("**/*.py")))
+
+
+def _sources() -> tuple[str, ...]:
+    """compile_shard's Python files, ordered by their names in the package, however it is installed.
+
+    The passes are ``compile_shard/passes`` in a wheel and a folder beside the package
+    in an editable install.
+    """
+    import compile_shard.passes
+
+    package, passes = Path(__file__).parent, Path(compile_shard.passes.__file__).parent
+    by_name = {str(path.relative_to(package)): path for path in package.rglob("*.py")}
+    by_name.update({str(Path("passes") / path.relative_to(passes)): path for path in passes.rglob("*.py")})
+    return tuple(str(by_name[name]) for name in sorted(by_name))
 
 
 def _made_classes() -> tuple[tuple[str, dict], ...]:
@@ -162,7 +175,7 @@ def _header() -> dict:
     return {
         "format": _FORMAT,
         "torch": torch.__version__,
-        "compile_shard_sources": get_hash_for_files(_SOURCES).hex(),
+        "compile_shard_sources": get_hash_for_files(_sources()).hex(),
         "pass_settings": settings.cache_key(),
         "rank": rank,
         "world_size": world_size,
