@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch._inductor.compile_fx  # noqa: F401  (what torch.compile imports: before any mode's timer)
 import torch._inductor.config
 import torch._inductor.runtime.cache_dir_utils
 import torch.nn as nn
@@ -98,7 +99,8 @@ def _build_cs_compiled_saved(model: nn.Module, backend: str) -> nn.Module:
 
     Loading the file and installing its trace (in ``torch.compile``) happen before the
     first step, where the other modes load their caches inside it: ``_load_s`` adds
-    them to the first step.
+    them to the first step. Not Inductor's import, which every mode's ``torch.compile``
+    does before the timer.
     """
     global _load_s
     compile_shard.passes.settings.compile_regions = True
