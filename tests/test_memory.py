@@ -150,7 +150,11 @@ def test_steps_leave_no_unsharded_parameters_and_a_dropped_model_is_freed(shard,
     the model with them ([Note: no reference cycle through an autograd node] in
     compile_shard._group).
     """
-    # What earlier tests of this process keep alive (a compiled model in Dynamo's caches) stays.
+    # What earlier tests of this process keep alive (a compiled model in Dynamo's caches) is held
+    # here, so that the counts below change with this test's objects only: a cache that lets
+    # one go in the middle of the test would otherwise read as fewer objects than before.
+    gc.collect()
+    earlier = [obj for obj in gc.get_objects() if isinstance(obj, (FSDPParamGroup, UnshardedParams))]
     groups_before, unsharded_before = _alive(FSDPParamGroup), _alive(UnshardedParams)
     model, _ = build_sharded_llama(CONFIG, block_reshard=reshard, root_reshard=reshard, shard=shard)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -165,6 +169,7 @@ def test_steps_leave_no_unsharded_parameters_and_a_dropped_model_is_freed(shard,
     gc.collect()
     assert model_ref() is None
     assert _alive(FSDPParamGroup) == groups_before
+    del earlier
 
 
 class _Trainer:
