@@ -63,6 +63,21 @@ def test_saving_when_torch_has_nothing_to_save_says_when_to_call_it(tmp_path, mo
     assert not (tmp_path / "rank0.bin").exists()
 
 
+def _two_steps(model, runnable, rank, world_size) -> list[torch.Tensor]:
+    """The losses of two AdamW steps of ``runnable`` (``model`` or its compiled form) on this rank's batches."""
+    from dist_utils import global_batch, lm_loss
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(2):
+        loss = lm_loss(runnable, global_batch(step, world_size, 2, 16, 1001)[2 * rank : 2 * rank + 2])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def _train_and_save_or_load(rank, world_size, folder, phase):
     """Two compiled steps of a Llama under Inductor; ``phase`` "first" saves, the others load.
 
@@ -73,21 +88,12 @@ def _train_and_save_or_load(rank, world_size, folder, phase):
     """
     from torch._dynamo.utils import counters
 
-    from dist_utils import global_batch, lm_loss
-
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, f"inductor_{phase}_rank{rank}")
     model, _ = build_sharded_llama(LlamaConfig(n_layers=3 if phase == "deeper" else 2))
     artifacts = os.path.join(folder, "compiled")
     assert compile_shard.load_cache_artifacts(artifacts) == (phase != "first")
     compiled = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(2):
-        loss = lm_loss(compiled, global_batch(step, world_size, 2, 16, 1001)[2 * rank : 2 * rank + 2])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
+    losses = _two_steps(model, compiled, rank, world_size)
     losses_path = os.path.join(folder, f"losses_{phase}_rank{rank}.pt")
     torch.save(losses, losses_path)
     rank_file = Path(artifacts) / f"rank{rank}.bin"
@@ -112,17 +118,8 @@ def _train_and_save_or_load(rank, world_size, folder, phase):
 
 
 def _train_eagerly(rank, world_size, folder):
-    from dist_utils import global_batch, lm_loss
-
     model, _ = build_sharded_llama(LlamaConfig(n_layers=3))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(2):
-        loss = lm_loss(model, global_batch(step, world_size, 2, 16, 1001)[2 * rank : 2 * rank + 2])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
+    losses = _two_steps(model, model, rank, world_size)
     deeper = torch.load(os.path.join(folder, f"losses_deeper_rank{rank}.pt"))
     torch.testing.assert_close(torch.stack(deeper), torch.stack(losses), rtol=1e-5, atol=1e-5)
 
