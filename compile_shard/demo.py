@@ -16,7 +16,6 @@ import contextlib
 import gc
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -177,7 +176,8 @@ def _train(args: argparse.Namespace) -> None:
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         _train(args)
         gc.collect()  # collective work handles in reference cycles go while the group is alive
@@ -206,12 +206,6 @@ def _report_failure(rank: int) -> None:
     print(f"compile_shard demo: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv=None) -> None:
     args = _parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
@@ -221,11 +215,14 @@ def main(argv=None) -> None:
         finally:
             dist.destroy_process_group()
         return
+    # The ranks' rendezvous store lives here, on a port the OS picks as it binds it: no
+    # other process can take the port between its choice and its use.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         # Forked from a server that has imported this module once, not spawned: each
         # rank skips importing torch again (seconds per rank).
         mp.start_processes(
-            _worker, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True, start_method="forkserver"
+            _worker, args=(args.nproc, store.port, args), nprocs=args.nproc, join=True, start_method="forkserver"
         )
     except ProcessException:
         raise SystemExit("compile_shard demo failed: each failed rank's error is printed above") from None

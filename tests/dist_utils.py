@@ -9,7 +9,6 @@ import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import socket
 import sys
 import tempfile
 
@@ -42,21 +41,14 @@ multiprocessing.set_forkserver_preload(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _entry(rank: int, world_size: int, port: int, fn, args, timeout: datetime.timedelta | None = None) -> None:
     # A rank killed by a signal (a crash in native code) prints every thread's Python
     # stack to the stderr pytest shows, where the test would only say which signal.
     faulthandler.enable(all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
-    )
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
         # Release what the test built (FSDP2 keeps collective work handles in reference
@@ -98,9 +90,13 @@ def run_gloo(fn, world_size: int, *args, timeout: datetime.timedelta | None = No
     ``timeout``: the process group's (gloo's default, 30 minutes, if ``None``).
     """
     _start_fork_server_without_gpus()
+    # The launcher holds the ranks' rendezvous store, on a port the OS picks as it binds:
+    # a free port picked first and bound later by rank 0 can be taken in between, by
+    # another test's gloo connections (EADDRINUSE, seen in CI).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp.start_processes(
         _entry,
-        args=(world_size, _free_port(), fn, args, timeout),
+        args=(world_size, store.port, fn, args, timeout),
         nprocs=world_size,
         join=True,
         start_method="forkserver",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,16 +27,13 @@ LLAMA_ARGS = [*SMALL, "--dim", "32"]
 HF_ARGS = [*SMALL, "--hidden", "32"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _torchrun(script: str, *args: str, expect_success: bool = True) -> subprocess.CompletedProcess:
     """Runs ``examples/<script>`` on 2 processes; a failure's message carries the output's tail."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(_free_port()), str(EXAMPLES / script), *args]
+    # --standalone: torchrun's rendezvous store binds a port the OS picks. A port picked
+    # here and passed in could be taken (by another test's gloo connections, say) before
+    # torchrun binds it.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(EXAMPLES / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
