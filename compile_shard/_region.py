@@ -118,7 +118,7 @@ import itertools
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -220,7 +220,7 @@ def _tensor_key(value: Any, static: bool | None) -> Any:
 
     Hashing a symbolic size in the trace would make it static: Dynamo would guard on
     its value, and every new length would recompile. ``static``: whether the sizes
-    and strides are all static, as ``_static_leaves`` found; None to read it here from
+    and strides are all static, as ``_static_leaves`` read them; None to read it here from
     ``__class__``, which torch 2.13's Dynamo answers with ``SymInt`` for a symbolic size
     (it answers ``isinstance(size, torch.SymInt)`` with False, and 2.14's and 2.15's
     answer ``__class__`` with ``int``: ``SYMBOLIC_NUMBERS_LOOK_PLAIN``).
@@ -233,85 +233,62 @@ def _tensor_key(value: Any, static: bool | None) -> Any:
     return value
 
 
-#: What ``_record_static_leaves`` found, for ``_recorded_static_leaves`` to return.
-_static_leaves_found: tuple = ()
+#: What ``_read_while_tracing`` found last, for ``_found_while_tracing`` to hand to the trace.
+_found: Any = None
 
 
-def _record_static_leaves(ctx: Any) -> None:
-    """Run by Dynamo at trace time (``comptime``): whether each leaf of the caller's ``flat`` has static sizes."""
-    global _static_leaves_found
-    found = []
-    for leaf in ctx.get_local("flat").as_proxy():
-        fake = leaf.node.meta["example_value"] if isinstance(leaf, fx.Proxy) else None
-        sizes = (*fake.shape, *fake.stride()) if isinstance(fake, torch.Tensor) else ()
-        found.append(all(type(size) is int for size in sizes))
-    _static_leaves_found = tuple(found)
+def _read_while_tracing(ctx: Any) -> None:
+    """Run by Dynamo at trace time (``comptime``): the caller's ``read`` of the proxies of its ``values``."""
+    global _found
+    _found = ctx.get_local("read").as_python_constant()(ctx.get_local("values").as_proxy())
 
 
 @torch.compiler.assume_constant_result
-def _recorded_static_leaves() -> tuple:
-    return _static_leaves_found
+def _found_while_tracing() -> Any:
+    return _found
 
 
-#: What ``_record_symbolic_values`` found, for ``_recorded_symbolic_values`` to return.
-_symbolic_values_found: tuple = ()
-
-
-def _record_symbolic_values(ctx: Any) -> None:
-    """Run by Dynamo at trace time (``comptime``): which of ``values`` in the caller's frame are symbolic numbers."""
-    global _symbolic_values_found
-    _symbolic_values_found = tuple(isinstance(value, fx.Proxy) for value in ctx.get_local("values").as_proxy())
-
-
-@torch.compiler.assume_constant_result
-def _recorded_symbolic_values() -> tuple:
-    return _symbolic_values_found
-
-
-def _symbolic_values(values: tuple) -> tuple:
-    """Per plain value the key reads, whether Dynamo made it symbolic (where ``__class__`` cannot tell)."""
-    comptime(_record_symbolic_values)
-    return _recorded_symbolic_values()
-
-
-def _static_leaves(flat: tuple) -> tuple:
-    """Per leaf of ``flat``, whether its sizes and strides are static, read from the fake tensors."""
-    comptime(_record_static_leaves)
-    return _recorded_static_leaves()
-
-
-#: What ``_record_symbolic_sizes`` found, for ``_recorded_symbolic_sizes`` to return.
-_symbolic_sizes_found: tuple = ()
-
-
-def _record_symbolic_sizes(ctx: Any) -> None:
-    """Run by Dynamo at trace time (``comptime``): the expressions of the sizes of ``flat`` in the caller's frame."""
-    global _symbolic_sizes_found
-    leaves = ctx.get_local("flat").as_proxy()  # a proxy per tensor, the plain values themselves
-    fakes = [leaf.node.meta["example_value"] for leaf in leaves if isinstance(leaf, fx.Proxy)]
-    _symbolic_sizes_found = tuple(tuple(str(size) for size in (*fake.shape, *fake.stride())) for fake in fakes)
-
-
-@torch.compiler.assume_constant_result
-def _recorded_symbolic_sizes() -> int:
-    return hash(_symbolic_sizes_found)
-
-
-def _symbolic_sizes(flat: tuple) -> int:
-    """A region call's tensor sizes and strides as expressions (``s0``, ``2*s0``), hashed.
+def _read_at_trace_time(read: Callable[[list], Any], values: tuple) -> Any:
+    """``read`` of the proxies Dynamo traces ``values`` as, a constant of the trace.
 
     [Note: symbolic sizes in a reuse key]
     After an input's size changed, Dynamo recompiles with it symbolic (automatic
     dynamic), and the blocks' activations have symbolic sizes. A reused subgraph is
     stamped out with the symbols and output sizes of the call it was traced from, so
     two calls share one only where their sizes are the same expressions: a block
-    called on ``x`` and on ``x[:, ::2]`` needs two. Those expressions cannot be read
-    in the traced code (``str`` or ``hash`` of a symbolic size guards on its value),
-    so ``comptime`` reads them from the fake tensors while Dynamo traces, and an
-    ``assume_constant_result`` function hands them back to the trace.
+    called on ``x`` and on ``x[:, ::2]`` needs two. Those expressions, and whether a
+    size or a number is symbolic at all, cannot be read in the traced code (``str``
+    or ``hash`` of a symbolic size guards on its value, and ``__class__`` answers
+    differently by torch version: ``_tensor_key``), so ``comptime`` reads them from
+    the proxies and fake tensors while Dynamo traces, and an ``assume_constant_result``
+    function hands them back to the trace.
     """
-    comptime(_record_symbolic_sizes)
-    return _recorded_symbolic_sizes()
+    comptime(_read_while_tracing)
+    return _found_while_tracing()
+
+
+def _fake(proxy: Any) -> Any:
+    """The fake value a proxy stands for; a plain value stands for itself."""
+    return proxy.node.meta["example_value"] if isinstance(proxy, fx.Proxy) else proxy
+
+
+def _static_leaves(proxies: list) -> tuple[bool, ...]:
+    """Per leaf, whether its sizes and strides (none for a plain value) are static."""
+    return tuple(
+        all(type(size) is int for size in (*fake.shape, *fake.stride())) if isinstance(fake, torch.Tensor) else True
+        for fake in map(_fake, proxies)
+    )
+
+
+def _symbolic_values(proxies: list) -> tuple[bool, ...]:
+    """Per plain value, whether Dynamo made it symbolic (a proxy, where a constant would be itself)."""
+    return tuple(isinstance(proxy, fx.Proxy) for proxy in proxies)
+
+
+def _symbolic_sizes(proxies: list) -> int:
+    """The tensors' sizes and strides as expressions (``s0``, ``2*s0``), hashed."""
+    fakes = [fake for fake in map(_fake, proxies) if isinstance(fake, torch.Tensor)]
+    return hash(tuple(tuple(str(size) for size in (*fake.shape, *fake.stride())) for fake in fakes))
 
 
 def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
@@ -393,7 +370,10 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     # it runs the blocks inlined (``compiles_every_size_symbolic``).
     param_keys = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in flat[:num_params])
     arg_leaves = flat[num_params:]  # the kwargs' names among them, sorted
-    static = _static_leaves(flat)[num_params:] if SYMBOLIC_NUMBERS_LOOK_PLAIN else (None,) * len(arg_leaves)
+    if SYMBOLIC_NUMBERS_LOOK_PLAIN:
+        static = _read_at_trace_time(_static_leaves, flat)[num_params:]
+    else:
+        static = (None,) * len(arg_leaves)
     arg_keys = tuple(_tensor_key(leaf, leaf_static) for leaf, leaf_static in zip(arg_leaves, static))
     symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in arg_keys)
     attribute_names, numbers = _plain_attributes(module)
@@ -403,7 +383,7 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
         for name in module_names
     )
     if SYMBOLIC_NUMBERS_LOOK_PLAIN:
-        if any(_symbolic_values(values)):
+        if any(_read_at_trace_time(_symbolic_values, values)):
             return None
     elif any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return None
@@ -418,7 +398,7 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
             layout,
             param_keys,
             arg_keys,
-            _symbolic_sizes(flat) if symbolic else None,
+            _read_at_trace_time(_symbolic_sizes, flat) if symbolic else None,
         )
     )
 
