@@ -55,9 +55,12 @@ def test_eager_tutorial_is_torch_fsdp2_bitwise(tmp_path, flags):
         assert torch.equal(tensor, theirs_state[name]), name
 
 
+# Slow tier: six launches, each compiling with Inductor (the quick tier's Inductor
+# numerics are tests/test_inductor_numerics.py's).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
-    [("--mixed-precision", "--explicit-prefetching", "--dcp-api"), pytest.param((), marks=pytest.mark.slow)],
+    [("--mixed-precision", "--explicit-prefetching", "--dcp-api"), ()],
     ids=["bf16_prefetch_dcp_api", "fp32_dtensor_api"],
 )
 def test_compiled_tutorial_is_as_close_to_eager_as_torch_fsdp2_compiled(tmp_path, flags):

@@ -189,13 +189,14 @@ def _worker(rank, world_size, model_name, policy_name):
 
 # fp16 on the GPT only: the test Llama's RMSNorm computes in its input's dtype, and in
 # fp16 its backward overflows (rsqrt's derivative at small activations), so FSDP2 eager
-# itself has non-finite gradients from the first step.
+# itself has non-finite gradients from the first step. The quick tier runs each model
+# with the recipe most trainings use (bf16 compute, fp32 reduction); the slow tier the rest.
 @pytest.mark.parametrize(
     "model_name, policy_name",
     [
         ("gpt", "bf16_fp32_reduce"),
-        ("gpt", "bf16"),
-        ("gpt", "fp16_fp32_reduce"),
+        pytest.param("gpt", "bf16", marks=pytest.mark.slow),
+        pytest.param("gpt", "fp16_fp32_reduce", marks=pytest.mark.slow),
         ("llama", "bf16_fp32_reduce"),
         pytest.param("llama", "bf16", marks=pytest.mark.slow),
     ],
@@ -228,6 +229,8 @@ def _rounding_worker(rank, world_size, model_name):
             assert off_bf16, "fp32 gradients that are all bf16 numbers: the check cannot tell"
 
 
-@pytest.mark.parametrize("model_name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+# Slow tier: the quick tier's bf16_fp32_reduce cases check the gradients' dtype in the graphs.
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
 def test_compiled_gradients_are_rounded_to_param_dtype_before_the_reduction(model_name):
     run_gloo(_rounding_worker, 2, model_name)
