@@ -81,14 +81,15 @@ def _two_steps(model, runnable, rank, world_size) -> list[torch.Tensor]:
 def _train_and_save_or_load(rank, world_size, folder, phase):
     """Two compiled steps of a Llama under Inductor; ``phase`` "first" saves, the others load.
 
-    Each phase starts from an empty Inductor cache directory of its own, as a job
-    restarted on other machines does: all it has is the folder of saved files.
-    "restarted" builds the same 2-layer model; "deeper" a 3-layer one, which the
-    saved trace's guards must turn away.
+    "restarted" builds the same 2-layer model, from an empty Inductor cache directory
+    of its own, as a job restarted on other machines does: all it has is the folder of
+    saved files. "deeper" builds a 3-layer one, which the saved trace's guards must
+    turn away, on the first's machine (its cache directory).
     """
     from torch._dynamo.utils import counters
 
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, f"inductor_{phase}_rank{rank}")
+    directory = "restarted" if phase == "restarted" else "first"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, f"inductor_{directory}_rank{rank}")
     model, _ = build_sharded_llama(LlamaConfig(n_layers=3 if phase == "deeper" else 2))
     artifacts = os.path.join(folder, "compiled")
     assert compile_shard.load_cache_artifacts(artifacts) == (phase != "first")
