@@ -10,8 +10,11 @@ partitioner and the pass suite, as Inductor would see them, without Inductor's c
 generation (``cold_start.py`` measures a whole cold step). Each depth and mode runs in
 a fresh process, so no capture reuses another's caches; the rounds alternate them, as
 this machine's speed drifts within an hour, and the table holds the median per depth
-and mode: the capture's seconds, the part of them the pass suite took, the region calls
-in the captured graphs, and the ratio to the smallest depth of the same mode.
+and mode: the capture's seconds; the parts of them Dynamo's own trace took (its compile
+of the frame less the backend's), and its backend (AOTAutograd's joint trace, the
+partition and the forward's compile; the backward compiles at its first call, outside
+both); the part the pass suite took; the region calls in the captured graphs; and the
+ratio to the smallest depth of the same mode.
 ``--symbolic`` marks the sequence length dynamic, as Dynamo's recompile after a length
 changed does.
 
@@ -59,10 +62,44 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
 
         return call
 
+    backend_seconds = frame_seconds = 0.0
+
+    def timed_backend(make_backend):
+        def make(*args, **kwargs):
+            backend = make_backend(*args, **kwargs)
+
+            def call(*call_args, **call_kwargs):
+                nonlocal backend_seconds
+                start = time.perf_counter()
+                try:
+                    return backend(*call_args, **call_kwargs)
+                finally:
+                    backend_seconds += time.perf_counter() - start
+
+            return call
+
+        return make
+
+    def timed_frame(compile_frame):
+        def call(*args, **kwargs):
+            nonlocal frame_seconds
+            start = time.perf_counter()
+            try:
+                return compile_frame(*args, **kwargs)
+            finally:
+                frame_seconds += time.perf_counter() - start
+
+        return call
+
     # The joint-graph suite, as the installed hook calls it, and the partitioned one, as the capture calls it.
     install = importlib.import_module("compile_shard.passes.install")  # the module, not passes.install()
     install.run_suite = timed(install.run_suite)
     dry_run.run_partitioned_suite = timed(dry_run.run_partitioned_suite)
+    # Dynamo's compile of the frame, and within it the backend's: AOTAutograd's joint trace,
+    # the partition, and the forward's compile; the backward compiles at its first call.
+    convert_frame = importlib.import_module("torch._dynamo.convert_frame")
+    convert_frame._compile = timed_frame(convert_frame._compile)
+    dry_run.aot_autograd = timed_backend(dry_run.aot_autograd)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         config = LlamaConfig(n_layers=layers)
@@ -93,7 +130,13 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
     region_calls = sum(
         node.target is torch.ops.higher_order.invoke_subgraph for graph in graphs for node in graph.graph.nodes
     )
-    return {"capture_s": seconds, "passes_s": suite_seconds, "region_calls": region_calls}
+    return {
+        "capture_s": seconds,
+        "dynamo_s": frame_seconds - backend_seconds,
+        "backend_s": backend_seconds,
+        "passes_s": suite_seconds,
+        "region_calls": region_calls,
+    }
 
 
 def _in_fresh_process(layers: int, mode: str, symbolic: bool) -> dict[str, float]:
@@ -141,15 +184,18 @@ def main(argv=None) -> None:
                     "mode": mode,
                     "layers": layers,
                     "capture_s": round(capture, 2),
+                    "dynamo_s": round(statistics.median(run["dynamo_s"] for run in runs[mode, layers]), 2),
+                    "backend_s": round(statistics.median(run["backend_s"] for run in runs[mode, layers]), 2),
                     "passes_s": round(statistics.median(run["passes_s"] for run in runs[mode, layers]), 2),
                     "region_calls": runs[mode, layers][0]["region_calls"],
                     "vs_smallest": round(capture / smallest, 2),
                 }
             )
-    print("| mode | layers | capture (s) | pass suite (s) | region calls | vs the smallest depth |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| mode | layers | capture (s) | Dynamo (s) | backend (s) | pass suite (s) | region calls | vs the smallest depth |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        cells = [row["mode"], row["layers"], row["capture_s"], row["passes_s"], row["region_calls"]]
+        cells = [row["mode"], row["layers"], row["capture_s"], row["dynamo_s"], row["backend_s"], row["passes_s"]]
+        cells.append(row["region_calls"])
         print("| " + " | ".join(str(cell) for cell in cells) + f" | {row['vs_smallest']}x |")
     if args.json:
         with open(args.json, "w") as file:

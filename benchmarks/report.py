@@ -141,14 +141,22 @@ def _capture_time(data: dict) -> str:
     depths = sorted({row["layers"] for row in data["rows"]})
     modes = list(dict.fromkeys(row["mode"] for row in data["rows"]))
     by_key = {(row["mode"], row["layers"]): row for row in data["rows"]}
-    header = ["mode: capture s (pass suite s)", *(f"{layers} layers" for layers in depths)]
+    # Results from before capture_time.py split the capture hold no dynamo_s.
+    with_split = all("dynamo_s" in row for row in data["rows"])
+    inner = "Dynamo s; backend s; pass suite s" if with_split else "pass suite s"
+    header = [f"mode: capture s ({inner})", *(f"{layers} layers" for layers in depths)]
     header.append(f"{depths[-1]} over {depths[0]} layers")
     rows = []
     for mode in modes:
         cells = [f"`{mode}`"]
         for layers in depths:
             row = by_key.get((mode, layers))
-            cells.append("-" if row is None else f"{row['capture_s']:.2f} ({row['passes_s']:.2f})")
+            if row is None:
+                cells.append("-")
+            elif with_split:
+                cells.append(f"{row['capture_s']:.2f} ({row['dynamo_s']:.2f}; {row['backend_s']:.2f}; {row['passes_s']:.2f})")
+            else:
+                cells.append(f"{row['capture_s']:.2f} ({row['passes_s']:.2f})")
         deepest = by_key.get((mode, depths[-1]))
         cells.append("-" if deepest is None else f"{deepest['vs_smallest']:.2f}x")
         rows.append(cells)
