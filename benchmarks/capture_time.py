@@ -10,11 +10,11 @@ partitioner and the pass suite, as Inductor would see them, without Inductor's c
 generation (``cold_start.py`` measures a whole cold step). Each depth and mode runs in
 a fresh process, so no capture reuses another's caches; the rounds alternate them, as
 this machine's speed drifts within an hour, and the table holds the median per depth
-and mode: the capture's seconds; the parts of them Dynamo's own trace took (its compile
-of the frame less the backend's), and its backend (AOTAutograd's joint trace, the
-partition and the forward's compile; the backward compiles at its first call, outside
-both); the part the pass suite took; the region calls in the captured graphs; and the
-ratio to the smallest depth of the same mode.
+and mode: the capture's seconds; the parts of them Dynamo's own work took (its compile
+of the frame, the trace and the guards, less the backend's) and its backend's
+(AOTAutograd's joint trace, the partition and the forward's compile; the backward
+compiles at its first call, outside both); the part the pass suite took; the region
+calls in the captured graphs; and the ratio to the smallest depth of the same mode.
 ``--symbolic`` marks the sequence length dynamic, as Dynamo's recompile after a length
 changed does.
 
