@@ -37,7 +37,7 @@ MODES = ("inlined", "regions", "unsharded_regions")
 
 
 def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str, float]:
-    """One capture in this process: its seconds, those of the pass suite within it, and its region calls.
+    """One capture in this process: its seconds, the parts Dynamo, its backend and the pass suite took, its region calls.
 
     ``symbolic``: the sequence length symbolic, as in the recompile after it changed.
     """
@@ -49,57 +49,28 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
     from compile_shard import dry_run, fully_shard, passes
     from compile_shard.models import Llama, LlamaConfig
 
-    suite_seconds = 0.0
+    seconds_in = {"suite": 0.0, "frame": 0.0, "backend": 0.0}
 
-    def timed(function):
+    def timed(function, part):
         def call(*args, **kwargs):
-            nonlocal suite_seconds
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                suite_seconds += time.perf_counter() - start
-
-        return call
-
-    backend_seconds = frame_seconds = 0.0
-
-    def timed_backend(make_backend):
-        def make(*args, **kwargs):
-            backend = make_backend(*args, **kwargs)
-
-            def call(*call_args, **call_kwargs):
-                nonlocal backend_seconds
-                start = time.perf_counter()
-                try:
-                    return backend(*call_args, **call_kwargs)
-                finally:
-                    backend_seconds += time.perf_counter() - start
-
-            return call
-
-        return make
-
-    def timed_frame(compile_frame):
-        def call(*args, **kwargs):
-            nonlocal frame_seconds
-            start = time.perf_counter()
-            try:
-                return compile_frame(*args, **kwargs)
-            finally:
-                frame_seconds += time.perf_counter() - start
+                seconds_in[part] += time.perf_counter() - start
 
         return call
 
     # The joint-graph suite, as the installed hook calls it, and the partitioned one, as the capture calls it.
     install = importlib.import_module("compile_shard.passes.install")  # the module, not passes.install()
-    install.run_suite = timed(install.run_suite)
-    dry_run.run_partitioned_suite = timed(dry_run.run_partitioned_suite)
+    install.run_suite = timed(install.run_suite, "suite")
+    dry_run.run_partitioned_suite = timed(dry_run.run_partitioned_suite, "suite")
     # Dynamo's compile of the frame, and within it the backend's: AOTAutograd's joint trace,
     # the partition, and the forward's compile; the backward compiles at its first call.
     convert_frame = importlib.import_module("torch._dynamo.convert_frame")
-    convert_frame._compile = timed_frame(convert_frame._compile)
-    dry_run.aot_autograd = timed_backend(dry_run.aot_autograd)
+    convert_frame._compile = timed(convert_frame._compile, "frame")
+    make_backend = dry_run.aot_autograd
+    dry_run.aot_autograd = lambda *args, **kwargs: timed(make_backend(*args, **kwargs), "backend")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         config = LlamaConfig(n_layers=layers)
@@ -132,9 +103,9 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
     )
     return {
         "capture_s": seconds,
-        "dynamo_s": frame_seconds - backend_seconds,
-        "backend_s": backend_seconds,
-        "passes_s": suite_seconds,
+        "dynamo_s": seconds_in["frame"] - seconds_in["backend"],
+        "backend_s": seconds_in["backend"],
+        "passes_s": seconds_in["suite"],
         "region_calls": region_calls,
     }
 
