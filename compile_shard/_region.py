@@ -211,28 +211,6 @@ def block_signature(module: nn.Module) -> tuple:
     return tuple(signature)
 
 
-#: In a reuse key, the sizes and strides of a tensor with a symbolic one (``_symbolic_sizes`` keys those).
-_SYMBOLIC = "symbolic"
-
-
-def _tensor_key(value: Any, static: bool | None) -> Any:
-    """A tensor's metadata, ``_SYMBOLIC`` for its sizes where one is; a plain value (all else is rejected) as is.
-
-    Hashing a symbolic size in the trace would make it static: Dynamo would guard on
-    its value, and every new length would recompile. ``static``: whether the sizes
-    and strides are all static, as ``_static_leaves`` read them; None to read it here from
-    ``__class__``, which torch 2.13's Dynamo answers with ``SymInt`` for a symbolic size
-    (it answers ``isinstance(size, torch.SymInt)`` with False, and 2.14's and 2.15's
-    answer ``__class__`` with ``int``: ``SYMBOLIC_NUMBERS_LOOK_PLAIN``).
-    """
-    if isinstance(value, torch.Tensor):
-        if static is None:
-            static = all(size.__class__ is int for size in (*value.shape, *value.stride()))
-        sizes = (tuple(value.shape), value.stride()) if static else _SYMBOLIC
-        return (sizes, value.dtype, value.device, value.requires_grad)
-    return value
-
-
 #: What ``_read_while_tracing`` found last, for ``_found_while_tracing`` to hand to the trace.
 _found: Any = None
 
@@ -259,9 +237,11 @@ def _read_at_trace_time(read: Callable[[list], Any], values: tuple) -> Any:
     called on ``x`` and on ``x[:, ::2]`` needs two. Those expressions, and whether a
     size or a number is symbolic at all, cannot be read in the traced code (``str``
     or ``hash`` of a symbolic size guards on its value, and ``__class__`` answers
-    differently by torch version: ``_tensor_key``), so ``comptime`` reads them from
-    the proxies and fake tensors while Dynamo traces, and an ``assume_constant_result``
-    function hands them back to the trace.
+    ``SymInt`` on torch 2.13 and ``int`` on 2.14 and later), so ``comptime`` reads them
+    from the proxies and fake tensors while Dynamo traces, and an
+    ``assume_constant_result`` function hands them back to the trace. The tensors'
+    other metadata come the same way, one read per call instead of a traced read per
+    tensor and attribute.
     """
     comptime(_read_while_tracing)
     return _found_while_tracing()
@@ -272,10 +252,19 @@ def _fake(proxy: Any) -> Any:
     return proxy.node.meta["example_value"] if isinstance(proxy, fx.Proxy) else proxy
 
 
-def _static_leaves(proxies: list) -> tuple[bool, ...]:
-    """Per leaf, whether its sizes and strides (none for a plain value) are static."""
+def _tensor_metadata(proxies: list) -> tuple:
+    """Per leaf, a tensor's sizes and strides (expressions where symbolic), dtype, device and
+    ``requires_grad``; None for anything else."""
     return tuple(
-        all(type(size) is int for size in (*fake.shape, *fake.stride())) if isinstance(fake, torch.Tensor) else True
+        (
+            tuple(str(size) for size in fake.shape),
+            tuple(str(stride) for stride in fake.stride()),
+            fake.dtype,
+            fake.device,
+            fake.requires_grad,
+        )
+        if isinstance(fake, torch.Tensor)
+        else None
         for fake in map(_fake, proxies)
     )
 
@@ -283,12 +272,6 @@ def _static_leaves(proxies: list) -> tuple[bool, ...]:
 def _symbolic_values(proxies: list) -> tuple[bool, ...]:
     """Per plain value, whether Dynamo made it symbolic (a proxy, where a constant would be itself)."""
     return tuple(isinstance(proxy, fx.Proxy) for proxy in proxies)
-
-
-def _symbolic_sizes(proxies: list) -> int:
-    """The tensors' sizes and strides as expressions (``s0``, ``2*s0``), hashed."""
-    fakes = [fake for fake in map(_fake, proxies) if isinstance(fake, torch.Tensor)]
-    return hash(tuple(tuple(str(size) for size in (*fake.shape, *fake.stride())) for fake in fakes))
 
 
 def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
@@ -365,17 +348,9 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     region keys are guarded]).
     """
     state = module._compile_shard_state
-    num_params = len(state.group.fsdp_params)
-    # The parameters' sizes are static: only a dynamic=True trace makes them symbolic, and
-    # it runs the blocks inlined (``compiles_every_size_symbolic``).
-    param_keys = tuple((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad) for p in flat[:num_params])
-    arg_leaves = flat[num_params:]  # the kwargs' names among them, sorted
-    if SYMBOLIC_NUMBERS_LOOK_PLAIN:
-        static = _read_at_trace_time(_static_leaves, flat)[num_params:]
-    else:
-        static = (None,) * len(arg_leaves)
-    arg_keys = tuple(_tensor_key(leaf, leaf_static) for leaf, leaf_static in zip(arg_leaves, static))
-    symbolic = any(key.__class__ is tuple and key[0] == _SYMBOLIC for key in arg_keys)
+    tensor_keys = _read_at_trace_time(_tensor_metadata, flat)
+    # The plain leaves themselves: their values, read here, are guarded.
+    plain_leaves = tuple(leaf if key is None else None for leaf, key in zip(flat, tensor_keys))
     attribute_names, numbers = _plain_attributes(module)
     values = tuple(
         getattr(submodule, name)
@@ -387,7 +362,7 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
             return None
     elif any(values[at].__class__ is not int and values[at].__class__ is not float for at in numbers):
         return None
-    device_type = flat[0].device.type  # an unsharded parameter
+    device_type = tensor_keys[0][3].type  # an unsharded parameter's
     return hash(
         (
             _signature_hash(module),
@@ -396,9 +371,8 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
             layout,
-            param_keys,
-            arg_keys,
-            _read_at_trace_time(_symbolic_sizes, flat) if symbolic else None,
+            tensor_keys,
+            plain_leaves,
         )
     )
 
