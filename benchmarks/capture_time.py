@@ -21,6 +21,12 @@ changed does.
 The mode ``unsharded_regions`` is torch's own floor for the one-graph design: the same
 Llama without sharding, every block a ``torch.compiler.nested_compile_region``, captured
 the same way. What a sharded mode's capture adds to it per block is compile_shard's.
+The mode ``gathered_regions`` measures a design compile_shard does not have yet: each
+block's parameters sharded by hand as one flat shard (FSDP2's layout: every parameter
+padded and split by rows), all-gathered by ``funcol`` in the outer graph, and every
+block a region whose one argument is the all-gather output, copying the parameters
+out inside, recomputed in backward. Against ``regions`` it shows what a block's
+capture would cost with no per-parameter work in the outer graph.
 """
 
 from __future__ import annotations
@@ -33,7 +39,73 @@ import subprocess
 import sys
 import time
 
-MODES = ("inlined", "regions", "unsharded_regions")
+MODES = ("inlined", "regions", "unsharded_regions", "gathered_regions")
+
+
+def _recompute(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _recomputed_in_backward():
+    """``context_fn`` for the copy-out: Dynamo takes a module-level function, not a lambda."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_recompute)
+
+
+def _copy_out(block, all_gather_output):
+    """The block's unsharded parameters from its all-gather output: one column block per parameter."""
+    per_rank = all_gather_output.view(block.world_size, -1).split(block.shard_numels, dim=1)
+    return [
+        chunk.reshape(padded_shape)[: shape[0]]
+        for chunk, padded_shape, shape in zip(per_rank, block.padded_shapes, block.shapes)
+    ]
+
+
+def _gathered_block(block, all_gather_output, *args):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    unsharded = checkpoint(
+        _copy_out, block, all_gather_output, use_reentrant=False, context_fn=_recomputed_in_backward
+    )
+    return torch.func.functional_call(block.inner, dict(zip(block.names, unsharded)), args)
+
+
+def _gathered_forward(self, *args):
+    from torch.distributed import _functional_collectives as funcol
+
+    all_gather_output = funcol.all_gather_tensor_autograd(self.shard, 0, self.group_name)
+    return self.region(self, all_gather_output, *args)
+
+
+def _shard_by_hand(model, world_size: int) -> None:
+    """Each block of ``model``: its parameters as this rank's one flat shard, gathered and copied out as in ``gathered_regions``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    region = torch.compiler.nested_compile_region(_gathered_block)
+    rank = dist.get_rank()
+    for index, block in enumerate(model.layers):
+        holder = nn.Module()
+        holder.inner = block
+        holder.names = [name for name, _ in block.named_parameters()]
+        holder.shapes = [tuple(param.shape) for _, param in block.named_parameters()]
+        holder.padded_shapes, shards = [], []
+        for _, param in block.named_parameters():
+            rows = -(-param.shape[0] // world_size)
+            padded = param.detach().new_zeros(rows * world_size, *param.shape[1:])
+            padded[: param.shape[0]] = param.detach()
+            holder.padded_shapes.append(tuple(padded.shape))
+            shards.append(padded[rank * rows : (rank + 1) * rows].flatten())
+        holder.shard_numels = [shard.numel() for shard in shards]
+        holder.shard = nn.Parameter(torch.cat(shards))
+        holder.world_size, holder.group_name, holder.region = world_size, dist.group.WORLD.group_name, region
+        holder.forward = _gathered_forward.__get__(holder)
+        model.layers[index] = holder
 
 
 def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str, float]:
@@ -79,6 +151,8 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
         if mode == "unsharded_regions":
             block_class = type(model.layers[0])
             block_class.forward = torch.compiler.nested_compile_region(block_class.forward)
+        elif mode == "gathered_regions":
+            _shard_by_hand(model, world_size=8)
         else:
             for block in model.layers:
                 fully_shard(block)
