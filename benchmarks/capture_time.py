@@ -74,6 +74,12 @@ def _gathered_block(block, all_gather_output, *args):
     return torch.func.functional_call(block.inner, dict(zip(block.names, unsharded)), args)
 
 
+def _block_shapes(block, all_gather_output, *args) -> int:
+    """The region's reuse key: the blocks' parameter shapes. A key skips Dynamo's guard-based reuse check, which
+    ``functional_call``'s writes to the block fail; ``call_in_region``'s key stands for the same in compile_shard."""
+    return hash(tuple(block.shapes))
+
+
 def _gathered_forward(self, *args):
     from torch.distributed import _functional_collectives as funcol
 
@@ -87,7 +93,7 @@ def _shard_by_hand(model, world_size: int) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    region = torch.compiler.nested_compile_region(_gathered_block)
+    region = torch.compiler.nested_compile_region(_gathered_block, reuse_hash_fn=_block_shapes)
     rank = dist.get_rank()
     for index, block in enumerate(model.layers):
         holder = nn.Module()
