@@ -87,7 +87,7 @@ def _gathered_forward(self, *args):
     return self.region(self, all_gather_output, *args)
 
 
-def _shard_by_hand(model, world_size: int) -> None:
+def shard_blocks_by_hand(model, world_size: int) -> None:
     """Each block of ``model``: its parameters as this rank's one flat shard, gathered and copied out as in ``gathered_regions``."""
     import torch
     import torch.distributed as dist
@@ -158,7 +158,7 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
             block_class = type(model.layers[0])
             block_class.forward = torch.compiler.nested_compile_region(block_class.forward)
         elif mode == "gathered_regions":
-            _shard_by_hand(model, world_size=8)
+            shard_blocks_by_hand(model, world_size=8)
         else:
             for block in model.layers:
                 fully_shard(block)

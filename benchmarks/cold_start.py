@@ -11,7 +11,9 @@ FSDP2 with per-block compile. This script separates what that ratio is made of: 
 cost of compiling the whole model instead of one block (``unsharded_compiled`` and
 ``unsharded_regions`` compile the model without any sharding) and what compile_shard
 adds on top of that (``cs_compiled``, ``cs_compiled_inlined``; ``cs_block_compiled`` is
-FSDP2's per-block recipe with compile_shard's ``fully_shard``).
+FSDP2's per-block recipe with compile_shard's ``fully_shard``). ``gathered_regions`` is
+``capture_time.py``'s: the blocks sharded by hand, each a region over its all-gather
+output, a design compile_shard does not have yet.
 
 Every mode runs in a fresh Python process with an empty Inductor cache directory, so
 each one pays Inductor's CPU ISA probe and compiles every kernel, on rank 0 of a fake
@@ -53,6 +55,7 @@ import torch.nn as nn
 import compile_shard.passes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import capture_time  # noqa: E402  (its blocks sharded by hand)
 import train_bench  # noqa: E402  (its configurations and mode builders)
 
 BASELINE_MODE = "fsdp2_block_compiled"
@@ -71,6 +74,14 @@ def _build_unsharded_regions(model: nn.Module, backend: str) -> nn.Module:
     """Every block traced once as a nested compile region (the class's forward, shared by all blocks)."""
     block_class = type(model.layers[0])
     block_class.forward = torch.compiler.nested_compile_region(block_class.forward)
+    return torch.compile(model, backend=backend)
+
+
+def _build_gathered_regions(model: nn.Module, backend: str) -> nn.Module:
+    """``capture_time.py``'s ``gathered_regions``: every block a region over its all-gather output."""
+    import torch.distributed as dist
+
+    capture_time.shard_blocks_by_hand(model, dist.get_world_size())
     return torch.compile(model, backend=backend)
 
 
@@ -117,6 +128,7 @@ MODES: dict[str, Callable[[nn.Module, str], nn.Module]] = {
     "unsharded_block_compiled": train_bench.compile_blocks,
     "unsharded_compiled": lambda model, backend: torch.compile(model, backend=backend),
     "unsharded_regions": _build_unsharded_regions,
+    "gathered_regions": _build_gathered_regions,
     "cs_compiled": _train_bench_mode("cs_compiled"),
     "cs_compiled_inlined": _train_bench_mode("cs_compiled_inlined"),
     "cs_block_compiled": _train_bench_mode("cs_block_compiled"),

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "cold_start.py"
-MODES = ["fsdp2_block_compiled", "cs_compiled", "cs_compiled_inlined"]
+MODES = ["fsdp2_block_compiled", "cs_compiled", "cs_compiled_inlined", "gathered_regions"]
 
 
 def _load_script():
