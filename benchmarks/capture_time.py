@@ -39,7 +39,43 @@ import subprocess
 import sys
 import time
 
+import torch
+
 MODES = ("inlined", "regions", "unsharded_regions", "gathered_regions")
+
+
+@torch.library.custom_op("capture_time::copy_out", mutates_args=())
+def copy_out(all_gather_output: torch.Tensor, world_size: int, shard_numels: list[int]) -> list[torch.Tensor]:
+    """Each parameter's columns of the all-gather output, as one fixed kernel (FSDP2's ``split_with_sizes_copy``).
+
+    An op Inductor does not decompose: generated, the copy fuses into its readers in a
+    kernel variant per reader (docs/benchmarks.md, "The cold step").
+    """
+    per_rank = all_gather_output.view(world_size, -1).split(shard_numels, dim=1)
+    return [chunk.clone(memory_format=torch.contiguous_format).view(-1) for chunk in per_rank]
+
+
+@copy_out.register_fake
+def _(all_gather_output, world_size, shard_numels):
+    return [all_gather_output.new_empty(world_size * numel) for numel in shard_numels]
+
+
+def _copy_out_backward(ctx, grads):
+    columns = [
+        grad.view(ctx.world_size, -1)
+        if grad is not None
+        else torch.zeros(ctx.world_size, numel, dtype=ctx.dtype, device=ctx.device)
+        for grad, numel in zip(grads, ctx.shard_numels)
+    ]
+    return torch.cat(columns, dim=1).view(-1), None, None
+
+
+def _save_sizes(ctx, inputs, output):
+    all_gather_output, ctx.world_size, ctx.shard_numels = inputs
+    ctx.dtype, ctx.device = all_gather_output.dtype, all_gather_output.device
+
+
+copy_out.register_autograd(_copy_out_backward, setup_context=_save_sizes)
 
 
 def _recompute(ctx, op, *args, **kwargs):
@@ -57,15 +93,14 @@ def _recomputed_in_backward():
 
 def _copy_out(block, all_gather_output):
     """The block's unsharded parameters from its all-gather output: one column block per parameter."""
-    per_rank = all_gather_output.view(block.world_size, -1).split(block.shard_numels, dim=1)
+    padded = copy_out(all_gather_output, block.world_size, block.shard_numels)
     return [
-        chunk.reshape(padded_shape)[: shape[0]]
-        for chunk, padded_shape, shape in zip(per_rank, block.padded_shapes, block.shapes)
+        flat.view(padded_shape)[: shape[0]]
+        for flat, padded_shape, shape in zip(padded, block.padded_shapes, block.shapes)
     ]
 
 
 def _gathered_block(block, all_gather_output, *args):
-    import torch
     from torch.utils.checkpoint import checkpoint
 
     unsharded = checkpoint(
@@ -89,7 +124,6 @@ def _gathered_forward(self, *args):
 
 def shard_blocks_by_hand(model, world_size: int) -> None:
     """Each block of ``model``: its parameters as this rank's one flat shard, gathered and copied out as in ``gathered_regions``."""
-    import torch
     import torch.distributed as dist
     from torch import nn
 
@@ -119,7 +153,6 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
 
     ``symbolic``: the sequence length symbolic, as in the recompile after it changed.
     """
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.testing._internal.distributed.fake_pg import FakeStore
