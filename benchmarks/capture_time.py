@@ -25,8 +25,8 @@ The mode ``gathered_regions`` measures a design compile_shard does not have yet:
 block's parameters sharded by hand as one flat shard (FSDP2's layout: every parameter
 padded and split by rows), all-gathered by ``funcol`` in the outer graph, and every
 block a region whose one argument is the all-gather output, copying the parameters
-out inside, recomputed in backward. Against ``regions`` it shows what a block's
-capture would cost with no per-parameter work in the outer graph.
+out inside with one op (``copy_out``), recomputed in backward. Against ``regions`` it
+shows what a block's capture would cost with no per-parameter work in the outer graph.
 """
 
 from __future__ import annotations
