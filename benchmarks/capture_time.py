@@ -40,6 +40,7 @@ import sys
 import time
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("inlined", "regions", "unsharded_regions", "gathered_regions")
 
@@ -79,19 +80,15 @@ copy_out.register_autograd(_copy_out_backward, setup_context=_save_sizes)
 
 
 def _recompute(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _recomputed_in_backward():
     """``context_fn`` for the copy-out: Dynamo takes a module-level function, not a lambda."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(_recompute)
 
 
-def _copy_out(block, all_gather_output):
+def _unsharded_params(block, all_gather_output):
     """The block's unsharded parameters from its all-gather output: one column block per parameter."""
     padded = copy_out(all_gather_output, block.world_size, block.shard_numels)
     return [
@@ -101,10 +98,8 @@ def _copy_out(block, all_gather_output):
 
 
 def _gathered_block(block, all_gather_output, *args):
-    from torch.utils.checkpoint import checkpoint
-
     unsharded = checkpoint(
-        _copy_out, block, all_gather_output, use_reentrant=False, context_fn=_recomputed_in_backward
+        _unsharded_params, block, all_gather_output, use_reentrant=False, context_fn=_recomputed_in_backward
     )
     return torch.func.functional_call(block.inner, dict(zip(block.names, unsharded)), args)
 
@@ -127,18 +122,20 @@ def shard_blocks_by_hand(model, world_size: int) -> None:
     import torch.distributed as dist
     from torch import nn
 
+    from compile_shard._layout import padded_rows
+
     region = torch.compiler.nested_compile_region(_gathered_block, reuse_hash_fn=_block_shapes)
     rank = dist.get_rank()
     for index, block in enumerate(model.layers):
         holder = nn.Module()
         holder.inner = block
-        holder.names = [name for name, _ in block.named_parameters()]
-        holder.shapes = [tuple(param.shape) for _, param in block.named_parameters()]
-        holder.padded_shapes, shards = [], []
-        for _, param in block.named_parameters():
-            rows = -(-param.shape[0] // world_size)
+        holder.names, holder.shapes, holder.padded_shapes, shards = [], [], [], []
+        for name, param in block.named_parameters():
+            rows = padded_rows(param.shape[0], world_size)
             padded = param.detach().new_zeros(rows * world_size, *param.shape[1:])
             padded[: param.shape[0]] = param.detach()
+            holder.names.append(name)
+            holder.shapes.append(tuple(param.shape))
             holder.padded_shapes.append(tuple(padded.shape))
             shards.append(padded[rank * rows : (rank + 1) * rows].flatten())
         holder.shard_numels = [shard.numel() for shard in shards]
