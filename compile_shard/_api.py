@@ -24,11 +24,11 @@ from ._param import FSDPParam, ParamUsage
 from ._region import (
     REGIONS_SUPPORTED,
     accepts_region_call,
+    call_copied_out,
     call_in_region,
-    compiles_every_size_symbolic,
+    compiling_gathered,
     enters_gathered_as_views,
-    runs_hooks_inside,
-    runs_inlined,
+    runs_outside_regions,
 )
 from ._versions import CompletedGradientReduction, GradientReductionHandle, warn_if_regions_cannot_run
 from .ops.rank_check import raise_for_a_peer_stop
@@ -70,6 +70,7 @@ class FSDPState:
         # For [Note: sharded blocks as nested compile regions]: the modules of a
         # module whose subtree holds no other fully_shard module, else empty.
         self.region_modules: list[nn.Module] = []
+        self.is_block = False  # whether ``region_modules`` lists any: a plain read, where the list is one per module
 
     def region_changed(self) -> None:
         """Lists the modules of a block traced as a compile region, and counts their writes.
@@ -78,6 +79,7 @@ class FSDPState:
         writes are counted] in ``_attribute_writes``).
         """
         self.region_modules = list(self.module.modules())
+        self.is_block = True
         count_writes(self.region_modules, self)
 
     def claim_root(self) -> None:
@@ -164,16 +166,33 @@ class FSDPState:
             and REGIONS_SUPPORTED
             and torch.compiler.is_compiling()
             and not self.is_root
-            and bool(self.region_modules)
-            and self.group.shown_params[0] is not None
+            and self.is_block
+            and (self.group.shown_params[0] is not None or self.group.shown_params[-1] is not None)
             # Over one rank nothing is gathered, and the unsharded parameters are views of
             # one tensor: a region refuses arguments that alias each other.
             and self.group.world_size > 1
             and accepts_region_call(args, kwargs)
-            and not compiles_every_size_symbolic()
-            and not runs_hooks_inside(self.module)
-            and not runs_inlined(self.module)
+            and not runs_outside_regions(self)
             and not enters_gathered_as_views(self.module)
+        )
+
+    def _gathers_for_region(self) -> bool:
+        """Whether the root's traced unshard leaves this block's copy-out to its block ([Note: a region copies
+        out its block's parameters] in ``_region``).
+
+        Not with ``bucket_cap_mb``: ``passes.bucket`` merges groups by their copy-outs in the graph.
+        """
+        group = self.group
+        return (
+            settings.compile_regions
+            and settings.bucket_cap_mb is None
+            and REGIONS_SUPPORTED
+            and not self.is_root
+            and self.is_block
+            and group.copies_out_in_region
+            and group.reshard_after_backward
+            and group.kept_after_backward is None
+            and not runs_outside_regions(self)
         )
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
@@ -188,8 +207,18 @@ class FSDPState:
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
-            groups = [state.group for state in self.subtree_states if state.group is not None]
-            return [group for group in groups if group.show_traced_unsharded_params()], args, kwargs
+            shown = []
+            for state in self.subtree_states:
+                group = state.group
+                if group is None:
+                    continue
+                if state._gathers_for_region():
+                    gathered = group.gather_traced()
+                else:
+                    gathered = group.show_traced_unsharded_params()
+                if gathered:
+                    shown.append(group)
+            return shown, args, kwargs
         if self.is_root:
             for state in self.subtree_states:
                 if state.group is not None:
@@ -349,6 +378,8 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         shown, args, kwargs = state.pre_forward(args, kwargs)
         if state.compiles_as_region(args, kwargs):
             output = call_in_region(cast(nn.Module, self), args, kwargs)
+        elif compiling_gathered(state.group):
+            output = call_copied_out(cast(nn.Module, self), args, kwargs)
         else:
             output = self._user_forward(*args, **kwargs)
         return state.post_forward(output, shown)

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import ops
 from ._annotation import GroupAnnotation, annotating_group
 from ._param import FSDPParam, share_slots
+from ._region import register_slot_lists
 from ._versions import REDUCES_IN_THE_PARAMETER_DTYPE, ROUNDS_EACH_GRADIENT_CONTRIBUTION
 
 
@@ -277,7 +278,11 @@ class FSDPParamGroup:
     ):
         self.fsdp_params = fsdp_params
         # What the modules read, and the eager use flags, per parameter ([Note: one mutated list per group]).
+        # After the parameters' slots, ``shown_params`` holds a traced forward's all-gather outputs where the
+        # block's region copies out ([Note: a region copies out its block's parameters] in compile_shard._region).
         self.shown_params, self.use_flags = share_slots(fsdp_params)
+        self.shown_params.append(None)
+        register_slot_lists(self, (self.shown_params, self.use_flags))
         self.module_name = module_name
         self.mesh = mesh
         # The shard dimension's group gathers and reduce-scatters; on HSDP's 2-D mesh each
@@ -294,6 +299,15 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         # [Note: all-gather extensions] in compile_shard._param.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
+        # Whether a trace may leave the copy-out to the block's region: an unshard of one all-gather per part
+        # and a plain copy-out ([Note: a region copies out its block's parameters] in compile_shard._region).
+        self.copies_out_in_region = (
+            mesh.size(-1) > 1
+            and not self.has_extensions
+            and reshard_group is None
+            and forwards_per_iteration == 1
+            and all(fsdp_param.shard_dim == 0 and fsdp_param.tp_spec is None for fsdp_param in fsdp_params)
+        )
         if self.has_extensions and reshard_group is not None:
             raise NotImplementedError(
                 f"fully_shard({module_name}): reshard_after_forward as a smaller group is not supported for "
@@ -426,6 +440,7 @@ class FSDPParamGroup:
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, unpickling) registers its copies of the objects under names of its own."""
         self.__dict__.update(state)
+        register_slot_lists(self, (self.shown_params, self.use_flags))
         bound, self._bound = self._bound, {}
         for role, (_, obj) in bound.items():
             self._bind(role, obj)
@@ -508,6 +523,11 @@ class FSDPParamGroup:
         """All-gathers the group (one collective per part) and copies out one tensor per parameter."""
         if self.has_extensions:
             return self._as_gathered(self._gather_with_extensions())
+        all_gather_outputs = self._all_gather_outputs()
+        return self._copy_out(all_gather_outputs), all_gather_outputs
+
+    def _all_gather_outputs(self) -> list[torch.Tensor]:
+        """One all-gather per part, not copied out."""
         all_gather_outputs = []
         for part in self.all_gather_parts:
             shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
@@ -516,7 +536,7 @@ class FSDPParamGroup:
                     shards, part.padded_numels, self.world_size, self.group_name, *self._all_gather_options(part)
                 )
             )
-        return self._copy_out(all_gather_outputs), all_gather_outputs
+        return all_gather_outputs
 
     def _gather_with_extensions(self) -> list[torch.Tensor]:
         """The unsharded parameters of a group with all-gather extensions, without autograd.
@@ -768,9 +788,29 @@ class FSDPParamGroup:
             self.use_flags[slot] = None
         return True
 
+    def owns_slot_list(self, object_id: int) -> bool:
+        return object_id in (id(self.shown_params), id(self.use_flags))
+
+    def gather_traced(self) -> bool:
+        """Inside a trace: all-gathers the group unless already done, and leaves the copy-out to its block."""
+        if self.shown_params[0] is not None or self.shown_params[-1] is not None:
+            return False
+        with annotating_group(self.annotation()):
+            self.shown_params[-1] = self._all_gather_outputs()
+        for slot in range(len(self.fsdp_params)):
+            self.use_flags[slot] = None  # see show_traced_unsharded_params
+        return True
+
+    def copy_out_traced(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies out and shows the unsharded parameters from ``gather_traced``'s all-gather outputs."""
+        with annotating_group(self.annotation()):
+            tensors = self._copy_out(all_gather_outputs)
+        for fsdp_param, tensor in zip(self.fsdp_params, tensors):
+            fsdp_param.show_unsharded(tensor)
+        return tensors
+
     def hide_traced_unsharded_params(self) -> None:
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.show_sharded()
+        self.shown_params[:] = [None] * len(self.shown_params)
 
     def pre_forward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:

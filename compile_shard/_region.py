@@ -1,5 +1,5 @@
 """Compiles a sharded block once for every block like it: a nested compile region whose
-arguments are the block's unsharded parameters.
+arguments are its group's all-gather outputs (or its unsharded parameters).
 
 [Note: sharded blocks as nested compile regions]
 ``torch.compile`` of a whole model inlines every block, so Inductor lowers, schedules
@@ -9,7 +9,8 @@ subgraph out for later calls. A block cannot simply be marked: it reads its unsh
 parameters as attributes, and those are all-gather outputs inside the outer graph,
 which a reused region cannot re-map from one block to the next (Dynamo: "Freevar has
 no source"). So the block's forward wrapper passes the gathered tensors as region
-arguments and shows them to the block's modules inside the region
+arguments (its all-gather outputs where it can: [Note: a region copies out its block's
+parameters]) and shows them to the block's modules inside the region
 (``FSDPParam.show_unsharded``); the collectives stay in the outer graph, where the pass
 suite schedules them.
 
@@ -104,6 +105,22 @@ after one they differ, and the later block is traced anew.
 
 A block whose submodules run module hooks is inlined without tracing it first
 (``runs_hooks_inside``): hooks are Python the signature holds by identity only.
+
+[Note: a region copies out its block's parameters]
+Per parameter, the copy-out (a view of the all-gather output, split, cloned and
+shaped) costs Dynamo traced calls and AOTAutograd and the passes nodes at every block,
+and the region's arguments and gradients are one each per parameter. So where the
+group's unshard is one all-gather per part and a plain copy-out
+(``FSDPParamGroup.copies_out_in_region``: no all-gather extension, tensor parallelism,
+other shard dimension, smaller reshard group or parameters kept after backward), the
+root's traced unshard all-gathers the block's group and leaves its outputs in the
+group's last slot of ``shown_params`` (``gather_traced``); the region takes those outputs
+as its arguments and copies out inside its body (``_run_block``), once per body. A
+block that runs inlined copies out in the caller's graph first (``call_copied_out``),
+except inside another operator's body (an activation checkpoint around the block),
+where Dynamo refuses the write that shows the parameters: there it runs in a region
+of its own, and the first block of each key calls its region too, traced before the
+reads the later keys learn from it.
 
 Backward must still gather again for resharded groups; [Note: region parameters are
 saved as inputs] in ``compile_shard.passes.compile_regions`` explains how the partitioned
@@ -377,25 +394,26 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     )
 
 
-def _given_key(module: nn.Module, key: int, num_params: int, layout: str, *flat: Any) -> int:
+def _given_key(module: nn.Module, key: int, num_params: int, gathered: bool, layout: str, *flat: Any) -> int:
     """The region's ``reuse_hash_fn``: ``call_in_region`` computed the key (``_block_key``)."""
     return key
 
 
-def _run_block(module: nn.Module, key: int, num_params: int, layout: str, *flat: Any) -> Any:
+def _run_block(module: nn.Module, key: int, num_params: int, gathered: bool, layout: str, *flat: Any) -> Any:
     """The block's own forward, reading the unsharded parameters (the region's arguments) as its parameters.
 
     The caller had shown these same tensors; the region shows them again, as its own
     arguments, so that the body reads its parameters from its inputs and not from the
     caller's graph. That write happens inside the region: Dynamo allows writes there,
     also when the block runs inside an activation-checkpoint region, which refuses any
-    write.
+    write. ``gathered``: the arguments are the group's all-gather outputs, which the body
+    copies out ([Note: a region copies out its block's parameters]).
     ``key`` is there for the reuse key only.
     """
-    state = module._compile_shard_state
-    fsdp_params = state.group.fsdp_params
-    unsharded_params, args, kwargs = _region_arguments(num_params, layout, flat)
-    for fsdp_param, tensor in zip(fsdp_params, unsharded_params):
+    group = module._compile_shard_state.group
+    inputs, args, kwargs = _region_arguments(num_params, layout, flat)
+    unsharded_params = group._copy_out(list(inputs)) if gathered else inputs
+    for fsdp_param, tensor in zip(group.fsdp_params, unsharded_params):
         fsdp_param.show_unsharded(tensor)
     with _ambient_autocast(unsharded_params[0].device.type):
         return module._user_forward(*args, **kwargs)
@@ -521,7 +539,7 @@ def _learn_reads(module: nn.Module) -> None:
     guarded = _guarded_names(InstructionTranslator.current_tx().output.guards)
     before = _READ_NAMES.get(signature)
     _READ_NAMES[signature] = (before or frozenset()) | (plain & guarded)
-    _learned(lambda: _READ_NAMES.pop(signature) if before is None else _READ_NAMES.update({signature: before}))
+    _learned(lambda: _READ_NAMES.pop(signature, None) if before is None else _READ_NAMES.update({signature: before}))
 
 
 #: The trace (Dynamo's output graph, which is not hashable) and the keys whose first block it has run.
@@ -689,6 +707,16 @@ def _written(side_effects: Any, contents: list[Any] | None, seen: set[int]) -> A
     return tuple(key)
 
 
+#: Per ``id`` of a group's list of slots, the group (``register_slot_lists``).
+_SLOT_LISTS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def register_slot_lists(group: Any, lists: tuple[list, ...]) -> None:
+    """Leaves the writes to a group's lists of slots out of ``_writes_so_far``: compile_shard's own state."""
+    for slots in lists:
+        _SLOT_LISTS[id(slots)] = group
+
+
 @torch.compiler.assume_constant_result
 def _writes_so_far() -> int:
     """A hash of the writes this trace has made so far to state compile_shard does not own; 0 for none.
@@ -710,7 +738,9 @@ def _writes_so_far() -> int:
         if isinstance(item.mutation_type, AttributeMutationExisting)
         and not isinstance(getattr(item, "value", None), FSDPParam)
     ]
-    for item in side_effects.id_to_variable.values():
+    for object_id, item in side_effects.id_to_variable.items():
+        if object_id in _SLOT_LISTS and _SLOT_LISTS[object_id].owns_slot_list(object_id):
+            continue  # compile_shard's own: a group's shown parameters ([Note: one mutated list per group])
         if isinstance(item.mutation_type, ValueMutationExisting) and side_effects.is_modified(item):
             writes.append((id(item), _written(side_effects, _contents(side_effects, item), seen)))
     return hash(tuple(writes)) if writes else 0
@@ -765,6 +795,18 @@ def accepts_region_call(args: tuple, kwargs: dict) -> bool:
         if not all(isinstance(item, (torch.Tensor, *PLAIN)) for item in items):
             return False
     return True
+
+
+@torch.compiler.assume_constant_result
+def runs_outside_regions(state: Any) -> bool:
+    """Whether the block of ``state`` (its ``FSDPState``) runs inlined whatever its key: a ``dynamic=True``
+    compile, hooks inside it, or a forward a region cannot replay.
+
+    One call where three would each cost Dynamo a call, and on the state, which the trace
+    holds already, where the module would cost it a variable.
+    """
+    module = state.module
+    return compiles_every_size_symbolic() or runs_hooks_inside(module) or runs_inlined(module)
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -839,22 +881,29 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     each key runs inlined]), or where one of its modules' numbers has become symbolic
     ([Note: region keys are guarded]).
     """
-    state = module._compile_shard_state
+    group = module._compile_shard_state.group
+    all_gather_outputs = group.shown_params[-1]
+    gathered = all_gather_outputs is not None
     # The region shows its arguments to the modules itself (``_run_block``), a
     # tensor-parallel parameter as a DTensor again: it takes the local tensors.
-    unsharded_params = [fsdp_param.unsharded_local() for fsdp_param in state.group.fsdp_params]
+    inputs = all_gather_outputs if gathered else [fsdp_param.unsharded_local() for fsdp_param in group.fsdp_params]
     names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
     positional, arg_leaves = _flatten(list(args))
     named, value_leaves = _flatten([kwargs[name] for name in names])
-    flat = (*unsharded_params, *arg_leaves, *names, *value_leaves)
+    flat = (*inputs, *arg_leaves, *names, *value_leaves)
     layout = f"{positional}|{named}"
     writes = _writes_so_far()
     key = _block_key(module, writes, layout, flat)
     if key is None:
-        return module._user_forward(*args, **kwargs)
+        return call_copied_out(module, args, kwargs) if gathered else module._user_forward(*args, **kwargs)
     if _first_of_its_key(key):
         start = _start_first_block()
-        output = module._user_forward(*args, **kwargs)
+        if gathered and traces_inside_another_op():
+            output = _block_region(module, key, len(inputs), gathered, layout, *flat)
+        else:
+            if gathered:
+                group.copy_out_traced(all_gather_outputs)
+            output = module._user_forward(*args, **kwargs)
         if torch.compiler.is_compiling():  # not where a graph break in the forward resumed uncompiled
             items = output if isinstance(output, (tuple, list)) else (output,)
             returns_tensors_only = all(isinstance(item, torch.Tensor) for item in items)
@@ -864,4 +913,44 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             if learned is not None:
                 _first_of_its_key(learned)
         return output
-    return _block_region(module, key, len(unsharded_params), layout, *flat)
+    return _block_region(module, key, len(inputs), gathered, layout, *flat)
+
+
+def compiling_gathered(group: Any) -> bool:
+    """Whether a trace gathered ``group`` for its region and has not copied it out ([Note: a region copies out
+    its block's parameters])."""
+    return group is not None and group.shown_params[0] is None and group.shown_params[-1] is not None
+
+
+_fresh_keys = itertools.count(-1, -1)
+
+
+@torch.compiler.assume_constant_result
+def _fresh_key() -> int:
+    """The key of a region traced for one call, never reused ([Note: a region copies out its block's parameters])."""
+    return next(_fresh_keys)
+
+
+@torch.compiler.assume_constant_result
+def traces_inside_another_op() -> bool:
+    """Whether Dynamo traces the current call inside another operator's body (an activation checkpoint)."""
+    return _subgraph_tracer().parent is not None
+
+
+def call_copied_out(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Runs inlined a block whose group was gathered for its region: copies out first.
+
+    Inside another operator's body, where Dynamo refuses to show the parameters (a
+    Python write), it runs in a region of its own instead, traced for this call.
+    """
+    group = module._compile_shard_state.group
+    all_gather_outputs = group.shown_params[-1]
+    if traces_inside_another_op():
+        names = tuple(sorted(kwargs))
+        positional, arg_leaves = _flatten(list(args))
+        named, value_leaves = _flatten([kwargs[name] for name in names])
+        flat = (*all_gather_outputs, *arg_leaves, *names, *value_leaves)
+        inputs = len(all_gather_outputs)
+        return _block_region(module, _fresh_key(), inputs, True, f"{positional}|{named}", *flat)
+    group.copy_out_traced(all_gather_outputs)
+    return module._user_forward(*args, **kwargs)

@@ -39,7 +39,7 @@ import torch.fx as fx
 from compile_shard._annotation import group_annotation
 from compile_shard._layout import padded_rows
 
-from ._graph import VIEWS, c10d, cast_dtype, fsdp
+from ._graph import VIEWS, c10d, cast_dtype, fsdp, invoke_subgraph, region_module
 
 aten = torch.ops.aten
 _ZEROS = (aten.zeros.default, aten.full.default)
@@ -67,6 +67,7 @@ def _pieces(unsharded_grad: fx.Node) -> list[tuple[fx.Node, int]] | None:
             (gradient, padded_rows(shape[0], world_size) * shape[1:].numel())
             for gradient, shape in zip(gradients, shapes)
         ]
+    node = _region_output(node)
     if node.target not in VIEWS or node.meta["val"].dim() != 1:
         return None
     concatenated = node.args[0]
@@ -76,6 +77,21 @@ def _pieces(unsharded_grad: fx.Node) -> list[tuple[fx.Node, int]] | None:
     if any(piece.meta["val"].dim() != 2 for piece in pieces):
         return None
     return [(piece, piece.meta["val"].shape[1]) for piece in pieces]
+
+
+def _region_output(node: fx.Node) -> fx.Node:
+    """What a region's backward computes ``node`` as, where ``node`` is one of its outputs; else ``node``.
+
+    A block whose region copies out its parameters ([Note: a region copies out its
+    block's parameters] in compile_shard._region) returns the gradient of its
+    all-gather output, laid out by the copy-out's backward inside the region.
+    """
+    call = node.args[0] if node.target is operator.getitem else None
+    if call is None or call.op != "call_function" or call.target is not invoke_subgraph:
+        return node
+    (output,) = region_module(call).graph.find_nodes(op="output")
+    value = output.args[0][node.args[1]]
+    return value if isinstance(value, fx.Node) else node
 
 
 def _is_zeros(piece: fx.Node) -> bool:

@@ -10,7 +10,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
-from dist_utils import run_gloo
+from dist_utils import FakeProcessGroup, run_gloo
+from graph_utils import CapturingBackend, pass_settings
 
 STEPS = 3
 
@@ -41,9 +42,9 @@ class Branchy(nn.Module):
         return self.head(x)
 
 
-def _build(shard):
+def _build(shard, model_class=None):
     torch.manual_seed(0)
-    model = Branchy()
+    model = (model_class or Branchy)()
     for block in model.blocks:
         shard(block)
     shard(model)
@@ -118,3 +119,59 @@ def _ranks_disagree_worker(rank, world_size):
 
 def test_ranks_using_different_parameters_raise_unless_unused_parameters_are_reduced():
     run_gloo(_ranks_disagree_worker, 2)
+
+
+class _SkippingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(12, 12)
+        self.skipped = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return x + torch.tanh(self.used(x))
+
+
+class _RegionBlocks(nn.Module):
+    """Alike blocks, the later ones called in their shared region, each with a parameter it leaves unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(12, 12)
+        self.blocks = nn.ModuleList(_SkippingBlock() for _ in range(3))
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _region_parity_worker(rank, world_size):
+    theirs, compiled_model = _build(torch_fully_shard, _RegionBlocks), _build(fully_shard, _RegionBlocks)
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    models = (theirs, compiled_model)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) for model in models]
+    for step in range(STEPS):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(10 * step + rank))
+        (expected, _), (grads, _) = _step(theirs, theirs, x), _step(compiled, compiled_model, x)
+        assert {name for name, grad in expected.items() if grad is None} == {
+            f"blocks.{index}.skipped.{kind}" for index in range(3) for kind in ("weight", "bias")
+        }
+        _assert_same_grads(grads, expected, f"step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        for (name, param), other in zip(compiled_model.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(param.to_local(), other.to_local(), rtol=0, atol=0, msg=name)
+
+
+def test_an_unused_parameter_of_a_region_block_gets_no_gradient_as_in_torch_fsdp2():
+    """A region that copies out its block's parameters returns one gradient for its all-gather output
+    ([Note: a region copies out its block's parameters]); the unused parameter's zeros in it are found there."""
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _build(fully_shard, _RegionBlocks)
+        capture = CapturingBackend()
+        torch.compile(model, backend=capture.backend)(torch.randn(4, 12)).sum().backward()
+    forward = capture.forward_graphs[0].graph
+    assert len(forward.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph)) == 2
+    run_gloo(_region_parity_worker, 2)
