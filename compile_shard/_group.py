@@ -801,6 +801,15 @@ class FSDPParamGroup:
             self.use_flags[slot] = None  # see show_traced_unsharded_params
         return True
 
+    def copy_out_in_region(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The unsharded parameters a region copies out: one ``fsdp.copy_out`` per part, and views of its outputs."""
+        unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
+        for part, all_gather_output in zip(self.all_gather_parts, all_gather_outputs):
+            padded = ops.copy_out(all_gather_output, self.world_size, part.padded_numels)
+            for index, flat, shape in zip(part.indices, padded, part.unsharded_shapes):
+                unsharded[index] = _unpadded(flat.view(-1, *shape[1:]), shape[0])
+        return unsharded
+
     def copy_out_traced(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies out and shows the unsharded parameters from ``gather_traced``'s all-gather outputs."""
         with annotating_group(self.annotation()):

@@ -115,7 +115,9 @@ group's unshard is one all-gather per part and a plain copy-out
 other shard dimension, smaller reshard group or parameters kept after backward), the
 root's traced unshard all-gathers the block's group and leaves its outputs in the
 group's last slot of ``shown_params`` (``gather_traced``); the region takes those outputs
-as its arguments and copies out inside its body (``_run_block``), once per body. A
+as its arguments and copies out inside its body (``_run_block``), once per body, with
+one ``fsdp.copy_out`` per part (a fixed kernel: as generated clones, Inductor fused the
+copy into every reader of a parameter), and leaves none of its copies in the slots. A
 block that runs inlined copies out in the caller's graph first (``call_copied_out``),
 except inside another operator's body (an activation checkpoint around the block),
 where Dynamo refuses the write that shows the parameters: there it runs in a region
@@ -412,11 +414,15 @@ def _run_block(module: nn.Module, key: int, num_params: int, gathered: bool, lay
     """
     group = module._compile_shard_state.group
     inputs, args, kwargs = _region_arguments(num_params, layout, flat)
-    unsharded_params = group._copy_out(list(inputs)) if gathered else inputs
+    unsharded_params = group.copy_out_in_region(list(inputs)) if gathered else inputs
     for fsdp_param, tensor in zip(group.fsdp_params, unsharded_params):
         fsdp_param.show_unsharded(tensor)
     with _ambient_autocast(unsharded_params[0].device.type):
-        return module._user_forward(*args, **kwargs)
+        output = module._user_forward(*args, **kwargs)
+    if gathered:  # the copies are the body's own: none may outlive it in the slots the caller reads
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.show_sharded()
+    return output
 
 
 def _ambient_autocast(device_type: str) -> contextlib.AbstractContextManager:

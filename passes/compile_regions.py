@@ -61,19 +61,21 @@ def _argument_views(region: fx.GraphModule) -> dict[int, int]:
     return {index: chains[value] for index, value in enumerate(output.args[0]) if value in chains}
 
 
-def _copy_into(graph: fx.Graph, value: fx.Node, operands: dict[fx.Node, fx.Node], before: fx.Node) -> fx.Node:
+def _copy_into(graph: fx.Graph, value: fx.Node, copies: dict[fx.Node, fx.Node], before: fx.Node) -> fx.Node:
     """Copies what ``value`` is computed from in its region into ``graph`` before ``before``; returns its copy.
 
-    ``operands`` maps the region's placeholders to the outer graph's arguments.
+    ``copies`` maps the region's nodes to the outer graph's: its placeholders to the
+    call's arguments, and what an earlier output of the same call copied already (a
+    region's ``fsdp.copy_out`` of the parameters, copied once for all of them); it
+    gains this output's copies.
     """
     needed: set[fx.Node] = set()
     frontier = [value]
     while frontier:
         node = frontier.pop()
-        if node not in needed and node not in operands:
+        if node not in needed and node not in copies:
             needed.add(node)
             frontier.extend(node.all_input_nodes)
-    copies = dict(operands)
     for node in value.graph.nodes:  # in the region's order: producers first
         if node in needed:
             with graph.inserting_before(before):
@@ -102,6 +104,8 @@ def compile_regions(graph: fx.Graph) -> int:
             regions[name] = (placeholders, output.args[0], _argument_views(region))
         placeholders, outputs, argument_views = regions[name]
         operands = region_call.args[2:]
+        copies = dict(zip(placeholders, operands))
+        anchor = region_call.next  # every copy before the call's first reader, producers first
         for user in list(region_call.users):
             if user.target is not operator.getitem or not user.users:
                 continue
@@ -109,7 +113,7 @@ def compile_regions(graph: fx.Graph) -> int:
             if outputs[index] in placeholders:
                 replacement = operands[placeholders.index(outputs[index])]
             elif index in argument_views and operands[argument_views[index]] in unsharded:
-                replacement = _copy_into(graph, outputs[index], dict(zip(placeholders, operands)), user)
+                replacement = _copy_into(graph, outputs[index], copies, anchor)
             else:
                 continue
             moved += len(user.users)

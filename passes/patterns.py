@@ -46,6 +46,7 @@ _CHAIN_OPS = {
     aten.expand.default,
     aten._to_copy.default,
     fsdp.post_forward_chunk.default,
+    fsdp.copy_out.default,
 }
 
 

@@ -52,6 +52,7 @@ from .all_gather import (
     as_gathered,
     as_gathered_views,
     call_all_reduce_hook_,
+    copy_out,
     post_forward_chunk,
 )
 from .backend import gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
@@ -78,6 +79,7 @@ __all__ = [
     "bind",
     "RankMismatchError",
     "call_all_reduce_hook_",
+    "copy_out",
     "new_name",
     "post_forward_chunk",
     "all_to_all_grads_",

@@ -45,6 +45,7 @@ _lib.define(
 _lib.define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
 _lib.define("all_gather_with_comm(Tensor all_gather_input, SymInt world_size, str group_name, str comm) -> Tensor")
 _lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
+_lib.define("copy_out(Tensor all_gather_output, SymInt world_size, SymInt[] padded_numels) -> Tensor[]")
 _lib.define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
     "SymInt world_size, str group_name) -> ()"
@@ -405,6 +406,51 @@ def _post_forward_chunk_meta(all_gather_output, size, rank):
     return all_gather_output.new_empty(all_gather_output.numel() // size)
 
 
+# copy_out ----------------------------------------------------------------------------
+# Each parameter's columns of a rank-major all-gather output, contiguous: its padded rows,
+# rank by rank (FSDP2's ``split_with_sizes_copy``). An op of its own where a region
+# copies out ([Note: a region copies out its block's parameters] in compile_shard._region):
+# as a ``clone`` per parameter, Inductor fuses the copy into every kernel that reads the
+# parameter, a kernel variant per reader (docs/benchmarks.md, "The cold step").
+
+
+def _check_copy_out(all_gather_output, world_size, padded_numels) -> None:
+    torch._check(
+        all_gather_output.dim() == 1 and all_gather_output.numel() == world_size * sum(padded_numels),
+        lambda: (
+            f"fsdp::copy_out: needs a 1-D all-gather output of world_size * sum(padded_numels) = "
+            f"{world_size * sum(padded_numels)} elements, got shape {tuple(all_gather_output.shape)}"
+        ),
+    )
+
+
+def _copy_out_kernel(all_gather_output, world_size, padded_numels):
+    _check_copy_out(all_gather_output, world_size, padded_numels)
+    columns = all_gather_output.view(world_size, -1).split(list(padded_numels), dim=1)
+    return [column.clone(memory_format=torch.contiguous_format).view(-1) for column in columns]
+
+
+def _copy_out_meta(all_gather_output, world_size, padded_numels):
+    _check_copy_out(all_gather_output, world_size, padded_numels)
+    return [all_gather_output.new_empty(world_size * numel) for numel in padded_numels]
+
+
+def _copy_out_setup_context(ctx, inputs, output) -> None:
+    all_gather_output, ctx.world_size, ctx.padded_numels = inputs
+    ctx.dtype, ctx.device = all_gather_output.dtype, all_gather_output.device
+
+
+def _copy_out_backward(ctx, grads):
+    """The gradients laid out rank-major again; a parameter without one gives zeros (``passes.unused_params``)."""
+    columns = [
+        torch.zeros(ctx.world_size, numel, dtype=ctx.dtype, device=ctx.device)
+        if grad is None
+        else grad.view(ctx.world_size, numel)
+        for grad, numel in zip(grads, ctx.padded_numels)
+    ]
+    return torch.cat(columns, dim=1).view(-1), None, None
+
+
 # all_gather_send_recv_ ---------------------------------------------------------------
 
 
@@ -476,10 +522,12 @@ register_kernels("as_gathered", _as_gathered_kernel, _as_gathered_meta)
 register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_params_meta)
 register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
 register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward_chunk_meta)
+register_kernels("copy_out", _copy_out_kernel, _copy_out_meta)
 
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
 )
+torch.library.register_autograd("fsdp::copy_out", _copy_out_backward, setup_context=_copy_out_setup_context, lib=_lib)
 torch.library.register_autograd(
     "fsdp::as_gathered", _as_gathered_backward, setup_context=_as_gathered_setup_context, lib=_lib
 )
@@ -491,3 +539,4 @@ all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
 all_gather_with_comm = torch.ops.fsdp.all_gather_with_comm.default
 call_all_reduce_hook_ = torch.ops.fsdp.call_all_reduce_hook_.default
 post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default
+copy_out = torch.ops.fsdp.copy_out.default
