@@ -299,14 +299,19 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         # [Note: all-gather extensions] in compile_shard._param.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
-        # Whether a trace may leave the copy-out to the block's region: an unshard of one all-gather per part
-        # and a plain copy-out ([Note: a region copies out its block's parameters] in compile_shard._region).
-        self.copies_out_in_region = (
+        # Whether the unshard is one all-gather per part and a plain copy-out, which a block's region
+        # can take over ([Note: a region copies out its block's parameters] in compile_shard._region).
+        self.has_plain_copy_out = (
             mesh.size(-1) > 1
             and not self.has_extensions
             and reshard_group is None
             and forwards_per_iteration == 1
             and all(fsdp_param.shard_dim == 0 and fsdp_param.tp_spec is None for fsdp_param in fsdp_params)
+        )
+        # Whether a trace leaves it to the region: not on gloo, whose exchange in place needs
+        # the copy-out in the outer graph ([Note: gloo exchange in place] in compile_shard.ops.transport).
+        self.copies_out_in_region = self.has_plain_copy_out and not ops.gathers_by_send_recv(
+            self.group_name, torch.device(mesh.device_type)
         )
         if self.has_extensions and reshard_group is not None:
             raise NotImplementedError(

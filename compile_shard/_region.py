@@ -112,7 +112,10 @@ shaped) costs Dynamo traced calls and AOTAutograd and the passes nodes at every 
 and the region's arguments and gradients are one each per parameter. So where the
 group's unshard is one all-gather per part and a plain copy-out
 (``FSDPParamGroup.copies_out_in_region``: no all-gather extension, tensor parallelism,
-other shard dimension, smaller reshard group or parameters kept after backward), the
+other shard dimension, smaller reshard group or parameters kept after backward; not on
+gloo, where ``passes.gather_buffers`` replaces the copy-in, all-gather and a copy-out in
+the outer graph by one exchange into the parameters' rows, [Note: gloo exchange in place]
+in ``compile_shard.ops.transport``, which a region's rank-major argument would undo), the
 root's traced unshard all-gathers the block's group and leaves its outputs in the
 group's last slot of ``shown_params`` (``gather_traced``); the region takes those outputs
 as its arguments and copies out inside its body (``_run_block``), once per body, with

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from compile_shard import fully_shard
+from compile_shard import FSDPModule, fully_shard
 from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
@@ -143,6 +143,20 @@ def build_sharded_llama(config: LlamaConfig, *, seed: int = 0, block_reshard=Non
         shard(block, reshard_after_forward=block_reshard)
     shard(model, reshard_after_forward=root_reshard)
     return model, reference
+
+
+def copy_out_in_regions(model: torch.nn.Module) -> torch.nn.Module:
+    """Leaves the copy-out of ``model``'s plain groups to their blocks' regions on gloo too.
+
+    On gloo the runtime keeps the copy-out in the outer graph for the exchange in place
+    ([Note: gloo exchange in place] in compile_shard.ops.transport); elsewhere a region
+    copies out ([Note: a region copies out its block's parameters] in compile_shard._region).
+    This runs the second path on gloo, the only real process group these tests have.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and (group := module._get_fsdp_state().group) is not None:
+            group.copies_out_in_region = group.has_plain_copy_out
+    return model
 
 
 def build_tensor_parallel_llama(config: LlamaConfig, mesh, *, seed: int = 0, shard=fully_shard):

@@ -15,7 +15,7 @@ from compile_shard._collectives import node_collective
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
 from compile_shard.passes import settings, verify, verify_forward
-from dist_utils import FakeProcessGroup, build_sharded_llama, global_batch, lm_loss, run_gloo
+from dist_utils import FakeProcessGroup, build_sharded_llama, copy_out_in_regions, global_batch, lm_loss, run_gloo
 from graph_utils import CapturingBackend, op_counts, pass_settings
 
 
@@ -129,11 +129,15 @@ def test_dynamo_graph_takes_one_input_per_sharded_parameter():
     assert DTensor not in types
 
 
-def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False):
+def _compiled_matches_eager(
+    rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False, region_copy_out=False
+):
     settings.bucket_cap_mb = bucket_cap_mb
     settings.compile_regions = compile_regions
     config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
     compiled_model, _ = build_sharded_llama(config)
+    if region_copy_out:
+        copy_out_in_regions(compiled_model)
     eager_model, _ = build_sharded_llama(config)
     # "scheduled": aot_eager's min-cut partitioner, then the partitioned suite (reorder),
     # as Inductor's post-grad hook runs it; aot_eager itself has no such hook.
@@ -178,10 +182,13 @@ def _compiled_matches_eager(rank, world_size, backend, checkpoint_blocks, bucket
     for counts in outer_graphs:
         # On gloo every all-gather and every reduction's exchange write into Inductor's
         # buffers ([Note: gloo all-gather], passes/gather_buffers.py), straight from the
-        # shards and the gradients where the graph copies out ([Note: gloo exchange in
-        # place]); a region that copies out takes the gathered group rank-major, which
-        # gloo receives into a buffer too.
-        assert counts["all_gather_params_"] + counts["all_gather_send_recv_"] > 0, counts
+        # shards and the gradients ([Note: gloo exchange in place]); a region that copies
+        # out takes its group rank-major, received into a buffer too.
+        if region_copy_out:
+            assert counts["all_gather_send_recv_"] > 0, counts
+        else:
+            assert counts["all_gather_params_"] > 0, counts
+            assert not counts["all_gather_send_recv_"] and not counts["all_to_all_into_"], counts
         assert not counts["all_gather"] and not counts["all_gather_out"] and not counts["all_to_all"], counts
     if outer_graphs:
         assert outer_graphs[1]["all_to_all_grads_"] > 0, outer_graphs[1]

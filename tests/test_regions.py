@@ -27,6 +27,7 @@ from compile_shard.passes.simulate import simulate_step
 from dist_utils import (
     FakeProcessGroup,
     build_sharded_llama,
+    copy_out_in_regions,
     global_batch,
     lm_loss,
     needs_compile_regions,
@@ -260,18 +261,26 @@ def test_without_resharding_backward_reuses_the_gathered_parameters():
 
 
 @pytest.mark.parametrize(
-    "world_size, checkpoint_blocks",
-    [pytest.param(2, False, marks=pytest.mark.slow), pytest.param(3, True, marks=pytest.mark.slow)],
-    ids=["2-plain_blocks", "3-checkpointed_blocks"],
+    "world_size, checkpoint_blocks, region_copy_out",
+    [
+        pytest.param(2, False, False, marks=pytest.mark.slow),
+        pytest.param(2, False, True, marks=pytest.mark.slow),
+        pytest.param(3, True, True, marks=pytest.mark.slow),
+    ],
+    ids=["2-plain_blocks", "2-plain_blocks-region_copy_out", "3-checkpointed_blocks-region_copy_out"],
 )
-def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks):
-    """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph."""
-    run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True)
+def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks, region_copy_out):
+    """Inductor with regions: losses within 1e-6 and parameters within 2e-5 of eager over 7 steps, one graph.
+
+    ``region_copy_out``: the regions copy out as they do off gloo (``copy_out_in_regions``).
+    """
+    run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True, region_copy_out)
 
 
-def test_regions_under_aot_eager_match_eager_on_gloo():
+@pytest.mark.parametrize("region_copy_out", [False, True], ids=["gloo_copy_out", "region_copy_out"])
+def test_regions_under_aot_eager_match_eager_on_gloo(region_copy_out):
     """aot_eager, whose partitioner no joint pre-pass precedes: parameters bitwise eager's over 7 steps, one graph."""
-    run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True)
+    run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True, region_copy_out)
 
 
 def _assert_parameters_equal(models):
@@ -293,7 +302,7 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
         for block in model.layers:
             fully_shard(block, **shard_kwargs.get(setting, {}))
         models.append(fully_shard(model, **shard_kwargs.get(setting, {})))
-    compiled = torch.compile(models[0], backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(copy_out_in_regions(models[0]), backend="aot_eager", fullgraph=True)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3) for model in models]
     micro_batches = 2 if setting == "keeping_unsharded" else 1
     for step in range(3):
@@ -329,7 +338,10 @@ def _regions_with_a_setting_match_eager(rank, world_size, setting):
 )
 def test_regions_with_fsdp2_settings_match_eager_on_gloo(setting):
     """Regions with a bf16 policy, under autocast (the region saves its weights' bf16 copies), blocks kept
-    gathered, parameters kept over micro-batches, or blocks in ``checkpoint_wrapper``: bitwise eager."""
+    gathered, parameters kept over micro-batches, or blocks in ``checkpoint_wrapper``: bitwise eager.
+
+    The regions copy out as they do off gloo (``copy_out_in_regions``) where the setting lets them.
+    """
     run_gloo(_regions_with_a_setting_match_eager, 3, setting)
 
 

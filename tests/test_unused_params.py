@@ -10,7 +10,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
-from dist_utils import FakeProcessGroup, run_gloo
+from dist_utils import FakeProcessGroup, copy_out_in_regions, run_gloo
 from graph_utils import CapturingBackend, pass_settings
 
 STEPS = 3
@@ -148,7 +148,7 @@ class _RegionBlocks(nn.Module):
 
 def _region_parity_worker(rank, world_size):
     theirs, compiled_model = _build(torch_fully_shard, _RegionBlocks), _build(fully_shard, _RegionBlocks)
-    compiled = torch.compile(compiled_model, backend="aot_eager")
+    compiled = torch.compile(copy_out_in_regions(compiled_model), backend="aot_eager")
     models = (theirs, compiled_model)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) for model in models]
     for step in range(STEPS):
