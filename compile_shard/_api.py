@@ -30,6 +30,7 @@ from ._region import (
     enters_gathered_as_views,
     runs_outside_regions,
 )
+from ._gc_during_compile import defer_full_collections_while_compiling
 from ._versions import CompletedGradientReduction, GradientReductionHandle, warn_if_regions_cannot_run
 from .ops.rank_check import raise_for_a_peer_stop
 from .passes import install
@@ -197,6 +198,8 @@ class FSDPState:
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
         """Unshards before the module's forward; returns the groups a trace showed and the inputs."""
+        if self.is_root and torch.compiler.is_compiling():
+            defer_full_collections_while_compiling()  # [Note: full collections during a compile]
         if self.is_root:
             device_type = self.mesh.device_type  # read once: in a trace, each read is traced anew
             for state in self.subtree_states:
