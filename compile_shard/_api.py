@@ -201,11 +201,7 @@ class FSDPState:
         if self.is_root and torch.compiler.is_compiling():
             defer_full_collections_while_compiling()  # [Note: full collections during a compile]
         if self.is_root:
-            device_type = self.mesh.device_type  # read once: in a trace, each read is traced anew
-            for state in self.subtree_states:
-                if state.group is not None:
-                    for fsdp_param in state.group.fsdp_params:
-                        fsdp_param.validate_device(device_type)
+            _validate_devices(self)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
@@ -268,6 +264,22 @@ class FSDPState:
         for state in self.subtree_states:
             if state.group is not None:
                 state.group.finalize_backward()
+
+
+@torch.compiler.assume_constant_result
+def _validate_devices(root: FSDPState) -> bool:
+    """Raises for a parameter of the root's subtree that its forward cannot gather; returns True.
+
+    In a trace Dynamo runs it once, as a constant, rather than tracing a read of every
+    parameter's device: those are guarded anyway, since each ``shard`` is a graph
+    input, so a parameter moved after compiling recompiles, and is checked again.
+    """
+    device_type = root.mesh.device_type
+    for state in root.subtree_states:
+        if state.group is not None:
+            for fsdp_param in state.group.fsdp_params:
+                fsdp_param.validate_device(device_type)
+    return True
 
 
 @torch._dynamo.disable(recursive=True)
