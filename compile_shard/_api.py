@@ -198,9 +198,9 @@ class FSDPState:
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
         """Unshards before the module's forward; returns the groups a trace showed and the inputs."""
-        if self.is_root and torch.compiler.is_compiling():
-            defer_full_collections_while_compiling()  # [Note: full collections during a compile]
         if self.is_root:
+            if torch.compiler.is_compiling():
+                defer_full_collections_while_compiling()  # [Note: full collections during a compile]
             _validate_devices(self)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.compiler.is_compiling():

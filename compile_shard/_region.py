@@ -309,6 +309,17 @@ def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
     return ",".join(tokens), leaves
 
 
+def _region_arguments_of(inputs: list[torch.Tensor], args: tuple, kwargs: dict) -> tuple[tuple, str]:
+    """A region call's flat arguments (``inputs``, then the call's) and the layout that rebuilds the call's.
+
+    See [Note: region arguments are flat]; ``_region_arguments`` takes them apart in the body.
+    """
+    names = tuple(sorted(kwargs))
+    positional, arg_leaves = _flatten(list(args))
+    named, value_leaves = _flatten([kwargs[name] for name in names])
+    return (*inputs, *arg_leaves, *names, *value_leaves), f"{positional}|{named}"
+
+
 def _unflatten(layout: str, leaves: tuple) -> tuple[list[Any], tuple]:
     """The values ``_flatten`` made ``layout`` and the first of ``leaves`` from, and the leaves left."""
     values, at = [], 0
@@ -896,11 +907,7 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     # The region shows its arguments to the modules itself (``_run_block``), a
     # tensor-parallel parameter as a DTensor again: it takes the local tensors.
     inputs = all_gather_outputs if gathered else [fsdp_param.unsharded_local() for fsdp_param in group.fsdp_params]
-    names = tuple(sorted(kwargs))  # see [Note: region arguments are flat]
-    positional, arg_leaves = _flatten(list(args))
-    named, value_leaves = _flatten([kwargs[name] for name in names])
-    flat = (*inputs, *arg_leaves, *names, *value_leaves)
-    layout = f"{positional}|{named}"
+    flat, layout = _region_arguments_of(inputs, args, kwargs)
     writes = _writes_so_far()
     key = _block_key(module, writes, layout, flat)
     if key is None:
@@ -955,11 +962,7 @@ def call_copied_out(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     group = module._compile_shard_state.group
     all_gather_outputs = group.shown_params[-1]
     if traces_inside_another_op():
-        names = tuple(sorted(kwargs))
-        positional, arg_leaves = _flatten(list(args))
-        named, value_leaves = _flatten([kwargs[name] for name in names])
-        flat = (*all_gather_outputs, *arg_leaves, *names, *value_leaves)
-        inputs = len(all_gather_outputs)
-        return _block_region(module, _fresh_key(), inputs, True, f"{positional}|{named}", *flat)
+        flat, layout = _region_arguments_of(all_gather_outputs, args, kwargs)
+        return _block_region(module, _fresh_key(), len(all_gather_outputs), True, layout, *flat)
     group.copy_out_traced(all_gather_outputs)
     return module._user_forward(*args, **kwargs)
