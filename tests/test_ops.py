@@ -105,6 +105,26 @@ def test_reduce_scatter_input_rejects_mixed_dtypes_and_a_wrong_output():
         torch.ops.fsdp.reduce_scatter_input_into_(torch.empty(24), _uneven_gradients(), 2)
 
 
+def test_opcheck_copy_out():
+    opcheck(torch.ops.fsdp.copy_out.default, (torch.randn(2 * 19, requires_grad=True), 2, [16, 3]))
+
+
+def test_copy_out_takes_each_parameters_columns_rank_by_rank_and_its_backward_lays_them_out_again():
+    """FSDP2's ``split_with_sizes_copy`` of a rank-major all-gather output; an unused copy's gradient is zeros."""
+    world_size, padded_numels = 3, [4, 2]
+    all_gather_output = torch.arange(18.0).requires_grad_(True)
+    first, second = ops.copy_out(all_gather_output, world_size, padded_numels)
+    rows = all_gather_output.detach().view(world_size, 6)
+    assert torch.equal(first, rows[:, :4].reshape(-1)) and torch.equal(second, rows[:, 4:].reshape(-1))
+    (grad,) = torch.autograd.grad(first, all_gather_output, torch.ones_like(first))  # ``second`` unused
+    assert torch.equal(grad.view(world_size, 6), torch.tensor([[1.0] * 4 + [0.0] * 2] * world_size))
+
+
+def test_copy_out_rejects_an_output_of_another_size():
+    with pytest.raises(RuntimeError, match=r"fsdp::copy_out: needs a 1-D all-gather output of .* = 18 elements"):
+        ops.copy_out(torch.randn(17), 3, [4, 2])
+
+
 def test_opcheck_set_():
     opcheck(torch.ops.fsdp.set_.default, (torch.randn(4), torch.randn(2, 3)))
 

@@ -580,6 +580,45 @@ def test_unused_params_leaves_gradients_that_may_be_nonzero_or_were_asked_for(jo
     assert _code(graph_module) == before and None not in _outputs(graph_module)
 
 
+def _region_backward_joint(bias_used: bool):
+    """A block's region returns the gradient of its all-gather output, laid out inside as ``fsdp.copy_out``'s
+    backward does (an unused parameter's piece: zeros, viewed); the outer graph reduces it."""
+
+    def body(weight_grad, bias_grad):
+        bias_piece = bias_grad.view(WORLD, -1) if bias_used else torch.zeros(WORLD * 2).view(WORLD, 2)
+        return (torch.cat([weight_grad.view(WORLD, -1), bias_piece], 1).view(-1),)
+
+    def reduction(unsharded_grad):
+        sharded_grad = torch.ops.fsdp.reduce_scatter_grad(unsharded_grad, WORLD, GROUP) / 2
+        weight_grad, bias_grad = sharded_grad.split([12, 2])
+        return weight_grad[:8].view(2, 4), bias_grad[:1].view(1)
+
+    graph_module = trace(reduction, torch.randn(WORLD * 14))
+    graph_module.region = trace(body, torch.randn(6, 4), torch.randn(4))
+    graph = graph_module.graph
+    (unsharded_grad,) = graph.find_nodes(op="placeholder")
+    with graph.inserting_after(unsharded_grad):
+        weight_grad, bias_grad = graph.placeholder("weight_grad"), graph.placeholder("bias_grad")
+    with graph.inserting_before(next(iter(unsharded_grad.users))):
+        call = graph.call_function(
+            torch.ops.higher_order.invoke_subgraph, (graph.get_attr("region"), "region", weight_grad, bias_grad)
+        )
+        unsharded_grad.replace_all_uses_with(graph.call_function(operator.getitem, (call, 0)))
+    graph.erase_node(unsharded_grad)
+    (reduction_node,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
+    write_group_annotation(reduction_node, make_annotation("block"))
+    return graph_module
+
+
+@pytest.mark.parametrize("bias_used", [False, True])
+def test_unused_params_reads_the_reduction_input_inside_a_regions_backward(bias_used):
+    graph_module = _region_backward_joint(bias_used)
+    weight_grad = _outputs(graph_module)[0]
+    assert unused_params(graph_module.graph) == (0 if bias_used else 1)
+    assert (_outputs(graph_module)[1] is None) != bias_used and _outputs(graph_module)[0] is weight_grad
+    graph_module.graph.lint()
+
+
 def _as_gathered_backward(weight_grad, bias_grad):
     """``fsdp.as_gathered``'s backward for the same group: the unsharded gradients into ``reduce_scatter_input``."""
     unsharded_grad = torch.ops.fsdp.reduce_scatter_input([weight_grad, bias_grad], WORLD)

@@ -1127,6 +1127,43 @@ def test_compile_regions_reads_a_copy_of_a_returned_parameter_view():
     module.graph.lint()
 
 
+def test_compile_regions_copies_a_regions_copy_out_once_for_the_views_it_returns():
+    """A region that copies out ([Note: a region copies out its block's parameters]) returns views of two
+    copied-out parameters: the outer graph reads copies of both chains, sharing one ``fsdp.copy_out``."""
+    region_graph = fx.Graph()
+    gathered, x = region_graph.placeholder("all_gather_output"), region_graph.placeholder("x")
+    copied = region_graph.call_function(torch.ops.fsdp.copy_out.default, (gathered, 2, [8, 2]))
+    weight = region_graph.call_function(
+        torch.ops.aten.view.default, (region_graph.call_function(operator.getitem, (copied, 0)), [4, 4])
+    )
+    bias = region_graph.call_function(
+        torch.ops.aten.view.default, (region_graph.call_function(operator.getitem, (copied, 1)), [4])
+    )
+    transposed = region_graph.call_function(torch.ops.aten.t.default, (weight,))
+    out = region_graph.call_function(torch.ops.aten.mm.default, (x, transposed))
+    region_graph.output((out, transposed, bias))
+    root = nn.Module()
+    root.region = fx.GraphModule(nn.Module(), region_graph)
+    graph = fx.Graph()
+    shard, x = graph.placeholder("shard"), graph.placeholder("x")
+    all_gather_output = graph.call_function(torch.ops.fsdp.all_gather_into.default, ([shard], [10], 2, "0"))
+    write_group_annotation(all_gather_output, make_annotation("block"))
+    call = graph.call_function(invoke_subgraph, (graph.get_attr("region"), "region", all_gather_output, x))
+    out, saved_weight, saved_bias = (graph.call_function(operator.getitem, (call, index)) for index in range(3))
+    weight_read = graph.call_function(torch.ops.aten.mm.default, (out, saved_weight))
+    bias_read = graph.call_function(torch.ops.aten.add.Tensor, (weight_read, saved_bias))
+    graph.output((out, bias_read))
+    module = fx.GraphModule(root, graph)
+    assert compile_regions(module.graph) == 2
+    (copy_out,) = module.graph.find_nodes(op="call_function", target=torch.ops.fsdp.copy_out.default)
+    assert copy_out.args[0] is all_gather_output
+    for read, at in ((weight_read.args[1], 0), (bias_read.args[1], 1)):
+        while read.target is not operator.getitem:
+            (read,) = read.all_input_nodes
+        assert read.args == (copy_out, at)
+    module.graph.lint()
+
+
 @pytest.mark.parametrize("saved", ["activation", "activation_view"])
 def test_compile_regions_leaves_what_is_no_parameter_alone(saved):
     """An activation the region computes, or a view of its activation argument, stays the region's output."""
