@@ -37,7 +37,7 @@ from compile_shard.models import GPT, GPTConfig, Llama, LlamaConfig
 from compile_shard._collectives import node_collective
 from compile_shard._versions import REDUCES_IN_THE_PARAMETER_DTYPE
 from compile_shard.passes.patterns import waited_node
-from dist_utils import global_batch, run_gloo
+from dist_utils import copy_out_in_regions, global_batch, run_gloo
 
 STEPS = 10
 # Ours may be this many times the oracle's largest distance from eager over the run.
@@ -127,6 +127,7 @@ class _FinalGraphs:
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
         self.all_gather_dtypes, self.gradient_dtypes, self.reduction_dtypes, self.matmul_dtypes = set(), set(), set(), set()
+        self.targets = set()
         # Inductor's post-grad hook calls it by this name; each rank is a process of its own.
         install = importlib.import_module("compile_shard.passes.install")  # the package's ``install`` is the function
         self._run = install.run_partitioned_suite
@@ -135,6 +136,7 @@ class _FinalGraphs:
     def _record(self, graph, **kwargs):
         moved = self._run(graph, **kwargs)
         for node in graph.nodes:
+            self.targets.add(node.target)
             found = node_collective(node)
             if found is not None and found.kind == "all_gather":
                 self.all_gather_dtypes.add(waited_node(node).meta["val"].dtype)
@@ -147,13 +149,15 @@ class _FinalGraphs:
         return moved
 
 
-def _worker(rank, world_size, model_name, policy_name):
+def _worker(rank, world_size, model_name, policy_name, region_copy_out=False):
     policy = POLICIES[policy_name]
     loss_fn = MODELS[model_name][1]
     final_graphs = _FinalGraphs()
     eager = _build(torch_fully_shard, model_name, policy)
     oracle = _compile_every_module(_build(torch_fully_shard, model_name, policy))
     ours = _build(fully_shard, model_name, policy)
+    if region_copy_out:
+        copy_out_in_regions(ours)
     runs = {"oracle": oracle, "ours": torch.compile(ours)}
     optimizer = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     distances = {"oracle": [], "ours": []}
@@ -185,24 +189,29 @@ def _worker(rank, world_size, model_name, policy_name):
     assert final_graphs.gradient_dtypes == {policy.param_dtype}, final_graphs.gradient_dtypes
     assert final_graphs.reduction_dtypes == {reduce_dtype}, final_graphs.reduction_dtypes
     assert final_graphs.matmul_dtypes == {policy.param_dtype}, final_graphs.matmul_dtypes
+    # gloo receives a region's rank-major all-gather output into a buffer; the others exchange in place.
+    assert (torch.ops.fsdp.all_gather_send_recv_.default in final_graphs.targets) == region_copy_out
 
 
 # fp16 on the GPT only: the test Llama's RMSNorm computes in its input's dtype, and in
 # fp16 its backward overflows (rsqrt's derivative at small activations), so FSDP2 eager
 # itself has non-finite gradients from the first step. The quick tier runs each model
 # with the recipe most trainings use (bf16 compute, fp32 reduction); the slow tier the rest.
+# ``region_copy_out``: the Llama's blocks copy out in their regions, as off gloo ([Note: a region copies out
+# its block's parameters] in compile_shard._region; ``copy_out_in_regions``).
 @pytest.mark.parametrize(
-    "model_name, policy_name",
+    "model_name, policy_name, region_copy_out",
     [
-        ("gpt", "bf16_fp32_reduce"),
-        pytest.param("gpt", "bf16", marks=pytest.mark.slow),
-        pytest.param("gpt", "fp16_fp32_reduce", marks=pytest.mark.slow),
-        ("llama", "bf16_fp32_reduce"),
-        pytest.param("llama", "bf16", marks=pytest.mark.slow),
+        ("gpt", "bf16_fp32_reduce", False),
+        pytest.param("gpt", "bf16", False, marks=pytest.mark.slow),
+        pytest.param("gpt", "fp16_fp32_reduce", False, marks=pytest.mark.slow),
+        ("llama", "bf16_fp32_reduce", False),
+        pytest.param("llama", "bf16_fp32_reduce", True, id="llama-bf16_fp32_reduce-region_copy_out"),
+        pytest.param("llama", "bf16", False, marks=pytest.mark.slow),
     ],
 )
-def test_inductor_is_as_close_to_eager_as_torch_fsdp2_compiled(model_name, policy_name):
-    run_gloo(_worker, 2, model_name, policy_name)
+def test_inductor_is_as_close_to_eager_as_torch_fsdp2_compiled(model_name, policy_name, region_copy_out):
+    run_gloo(_worker, 2, model_name, policy_name, region_copy_out)
 
 
 def _rounding_worker(rank, world_size, model_name):
