@@ -1080,6 +1080,18 @@ def test_a_list_the_forward_creates_and_appends_to_does_not_key_blocks_apart():
 # Hand-built graphs ---------------------------------------------------------------------------
 
 
+def _outer_graph_gathering(region_graph: fx.Graph, padded_numel: int) -> tuple[nn.Module, fx.Graph, fx.Node, fx.Node]:
+    """A module holding ``region_graph`` as ``region``, and an outer graph that all-gathers one annotated
+    shard of ``padded_numel`` over 2 ranks; returns the module, the graph, the all-gather output and ``x``."""
+    root = nn.Module()
+    root.region = fx.GraphModule(nn.Module(), region_graph)
+    graph = fx.Graph()
+    shard, x = graph.placeholder("shard"), graph.placeholder("x")
+    all_gather_output = graph.call_function(torch.ops.fsdp.all_gather_into.default, ([shard], [padded_numel], 2, "0"))
+    write_group_annotation(all_gather_output, make_annotation("block"))
+    return root, graph, all_gather_output, x
+
+
 def _outer_graph_with_region(returns: str) -> tuple[fx.GraphModule, fx.Node, fx.Node]:
     """forward region (weight, x) -> (x @ weight.t(), saved), a backward op reading ``saved``.
 
@@ -1094,12 +1106,7 @@ def _outer_graph_with_region(returns: str) -> tuple[fx.GraphModule, fx.Node, fx.
     out = region_graph.call_function(torch.ops.aten.mm.default, (x, transposed))
     x_view = region_graph.call_function(torch.ops.aten.view.default, (x, [4, 2]))
     region_graph.output((out, {"weight": weight, "weight_view": transposed, "x_view": x_view}[returns]))
-    root = nn.Module()
-    root.region = fx.GraphModule(nn.Module(), region_graph)
-    graph = fx.Graph()
-    shard, x = graph.placeholder("shard"), graph.placeholder("x")
-    gathered = graph.call_function(torch.ops.fsdp.all_gather_into.default, ([shard], [8], 2, "0"))
-    write_group_annotation(gathered, make_annotation("block"))
+    root, graph, gathered, x = _outer_graph_gathering(region_graph, 8)
     weight = graph.call_function(torch.ops.aten.view.default, (gathered, [4, 4]))
     body = graph.get_attr("region")
     call = graph.call_function(invoke_subgraph, (body, "region", weight, x))
@@ -1142,12 +1149,7 @@ def test_compile_regions_copies_a_regions_copy_out_once_for_the_views_it_returns
     transposed = region_graph.call_function(torch.ops.aten.t.default, (weight,))
     out = region_graph.call_function(torch.ops.aten.mm.default, (x, transposed))
     region_graph.output((out, transposed, bias))
-    root = nn.Module()
-    root.region = fx.GraphModule(nn.Module(), region_graph)
-    graph = fx.Graph()
-    shard, x = graph.placeholder("shard"), graph.placeholder("x")
-    all_gather_output = graph.call_function(torch.ops.fsdp.all_gather_into.default, ([shard], [10], 2, "0"))
-    write_group_annotation(all_gather_output, make_annotation("block"))
+    root, graph, all_gather_output, x = _outer_graph_gathering(region_graph, 10)
     call = graph.call_function(invoke_subgraph, (graph.get_attr("region"), "region", all_gather_output, x))
     out, saved_weight, saved_bias = (graph.call_function(operator.getitem, (call, index)) for index in range(3))
     weight_read = graph.call_function(torch.ops.aten.mm.default, (out, saved_weight))
