@@ -11,14 +11,13 @@ backward: the all-gather, its copy-out, the unsharded parameters' views, and the
 gradients up to the reduce-scatter. ``GroupAnnotation`` is that record. It is stored
 in ``node.meta["custom"]`` as a plain dict (torch copies and caches node metadata,
 so it holds only builtin values), written by ``write_group_annotation`` or
-``annotating_group`` and read by ``group_annotation`` alone.
+``annotating_group`` (with ``group_metadata``) and read by ``group_annotation`` alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -91,10 +90,16 @@ def write_group_annotation(node: fx.Node, annotation: GroupAnnotation) -> None:
     node.meta["custom"] = {**node.meta.get("custom", {}), GROUP_ANNOTATION: _stored(annotation)}
 
 
-@contextlib.contextmanager
-def annotating_group(annotation: GroupAnnotation) -> Iterator[None]:
-    """Annotates every node traced inside the block (the runtime's all-gather)."""
-    with torch.fx.traceback.annotate({GROUP_ANNOTATION: _stored(annotation)}):
-        yield
+def group_metadata(annotation: GroupAnnotation) -> dict:
+    """``annotating_group``'s argument: the runtime reads it once per group and trace, as a constant."""
+    return {GROUP_ANNOTATION: _stored(annotation)}
+
+
+def annotating_group(metadata: dict) -> contextlib.AbstractContextManager[None]:
+    """Annotates every node traced inside the block (the runtime's all-gather) with ``group_metadata``'s.
+
+    torch's context manager itself: Dynamo traces a generator of ours around it at every group.
+    """
+    return torch.fx.traceback.annotate(metadata)
 
 

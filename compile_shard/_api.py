@@ -107,14 +107,15 @@ class FSDPState:
             state.is_root = state is self
             if state.group is None:
                 continue
-            state.group.module_name = "+".join(state_names)
-            state.group.reshard_after_forward = state.resolved_reshard_after_forward()
+            state.group.change_settings(
+                module_name="+".join(state_names), reshard_after_forward=state.resolved_reshard_after_forward()
+            )
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
         model_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
         for state in self.subtree_states:
             if state.group is not None:
-                state.group.model_groups = model_groups
+                state.group.change_settings(model_groups=model_groups)
 
     # What torch's own helpers read from an FSDP2 state ----------------------------------
     # ``register_fsdp_forward_method`` wraps a method in ``_pre_forward`` / ``_post_forward``;
@@ -196,8 +197,15 @@ class FSDPState:
             and not runs_outside_regions(self)
         )
 
-    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
-        """Unshards before the module's forward; returns the groups a trace showed and the inputs."""
+    def pre_forward(
+        self, args: tuple, kwargs: dict, requires_grad_noted: bool = False
+    ) -> tuple[list[FSDPParamGroup], tuple, dict]:
+        """Unshards before the module's forward; returns the groups a trace showed and the inputs.
+
+        ``requires_grad_noted``: the root's eager forward compared the parameters'
+        ``requires_grad`` before this trace's frame ([Note: settings a trace reads as
+        constants] in compile_shard._group); else the trace reads those it gathers.
+        """
         if self.is_root:
             if torch.compiler.is_compiling():
                 defer_full_collections_while_compiling()  # [Note: full collections during a compile]
@@ -217,6 +225,8 @@ class FSDPState:
                     gathered = group.show_traced_unsharded_params()
                 if gathered:
                     shown.append(group)
+                    if not requires_grad_noted:
+                        group.guard_requires_grad()
             return shown, args, kwargs
         if self.is_root:
             for state in self.subtree_states:
@@ -264,6 +274,17 @@ class FSDPState:
         for state in self.subtree_states:
             if state.group is not None:
                 state.group.finalize_backward()
+
+
+@torch._dynamo.disable(recursive=True)
+def _note_requires_grad(root: FSDPState) -> None:
+    """Before the root's step: a new settings version for each group whose parameters were frozen or unfrozen.
+
+    Disabled: the root's forward runs eagerly, but Dynamo would compile the frames it calls.
+    """
+    for state in root.subtree_states:
+        if state.group is not None:
+            state.group.note_requires_grad()
 
 
 @torch.compiler.assume_constant_result
@@ -368,11 +389,12 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
         compiling = torch.compiler.is_compiling()
         if state.is_root and not compiling:
+            _note_requires_grad(state)
             sharded_forward = self._sharded_forward
             if isinstance(self, OptimizedModule):
                 sharded_forward = self.dynamo_ctx(sharded_forward)
             try:
-                return sharded_forward(args, kwargs)
+                return sharded_forward(args, kwargs, requires_grad_noted=True)
             except BaseException as error:
                 _trace_the_root_frame_again()
                 raise_for_a_peer_stop(error)
@@ -382,15 +404,15 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
         return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
 
-    def _sharded_forward(self, args: tuple, kwargs: dict) -> Any:
+    def _sharded_forward(self, args: tuple, kwargs: dict, requires_grad_noted: bool = False) -> Any:
         """The forward between unshard and reshard; traced, the all-gathers and reductions are in the graph.
 
         It reads the state through ``self``: Dynamo keeps the sizes of tensors reached
         through a module static, where a recompile would make those of an argument's
-        symbolic (automatic dynamic).
+        symbolic (automatic dynamic). ``requires_grad_noted``: see ``FSDPState.pre_forward``.
         """
         state = self._get_fsdp_state()
-        shown, args, kwargs = state.pre_forward(args, kwargs)
+        shown, args, kwargs = state.pre_forward(args, kwargs, requires_grad_noted)
         if state.compiles_as_region(args, kwargs):
             output = call_in_region(cast(nn.Module, self), args, kwargs)
         elif compiling_gathered(state.group):
@@ -461,8 +483,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
             state = module._get_fsdp_state()
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
-                state.group.reshard_after_forward = state.resolved_reshard_after_forward()
-                state.group.reshard_group = None  # FSDP2: a bool reshards over the whole shard group
+                # FSDP2: a bool reshards over the whole shard group
+                state.group.change_settings(
+                    reshard_after_forward=state.resolved_reshard_after_forward(), reshard_group=None
+                )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Sets whether backward frees the unsharded parameters (FSDP2's semantics), eager and compiled.
@@ -482,7 +506,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                     f"reshard_after_forward={group.reshard_group.size} is not supported; reshard after forward "
                     "over the whole group (True) to keep the unsharded parameters between micro-batches"
                 )
-            group.reshard_after_backward = bool(reshard_after_backward)
+            group.change_settings(reshard_after_backward=bool(reshard_after_backward))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Sets whether backward reduce-scatters the gradients (FSDP1's ``no_sync``), eager and compiled.
@@ -607,18 +631,16 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         """All-gathers ``modules``' parameters when this module's forward starts (FSDP2's knob).
 
         Eager: their all-gathers are issued right after this module's own. Compiled:
-        the ``reorder`` pass issues them no later than this module's wait. Set it
-        before compiling: the lists are read when the model is traced.
+        the ``reorder`` pass issues them no later than this module's wait. A compiled
+        model recompiles for a new list.
         """
-        self._get_fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch").forward_prefetch = (
-            _prefetch_groups(modules, "set_modules_to_forward_prefetch")
-        )
+        group = self._get_fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch")
+        group.change_settings(forward_prefetch=_prefetch_groups(modules, "set_modules_to_forward_prefetch"))
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Re-gathers ``modules``' parameters when this module's backward starts (FSDP2's knob)."""
-        self._get_fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch").backward_prefetch = (
-            _prefetch_groups(modules, "set_modules_to_backward_prefetch")
-        )
+        group = self._get_fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch")
+        group.change_settings(backward_prefetch=_prefetch_groups(modules, "set_modules_to_backward_prefetch"))
 
     # Streams, buffers and communication backends ---------------------------------------
 

@@ -6,7 +6,7 @@ import enum
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
-from ._annotation import GroupAnnotation, annotating_group
+from ._annotation import GroupAnnotation, annotating_group, group_metadata
 from ._param import FSDPParam, share_slots
 from ._region import register_slot_lists
 from ._versions import REDUCES_IN_THE_PARAMETER_DTYPE, ROUNDS_EACH_GRADIENT_CONTRIBUTION
@@ -161,6 +161,66 @@ def _reduce_dtype(
 
 def _is_default(value: Any, default: Any) -> bool:
     return value is None if default is None else value == default
+
+
+#: ``fsdp::all_gather_into``'s optional arguments' defaults, in order.
+_OPTION_DEFAULTS = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None)
+
+
+class PartSettings(NamedTuple):
+    """What one part's all-gather takes from the group's settings."""
+
+    takes_gradients: bool
+    #: ``fsdp::all_gather_into``'s optional arguments, the four that gradient accumulation changes from
+    #: step to step (positions 3, 4, 8 and 9) at their defaults.
+    options: tuple
+    #: How many of ``options`` to pass: the trailing defaults left out (graphs show what differs).
+    given: int
+
+
+class GatherSettings(NamedTuple):
+    """What the all-gathers take from the group's settings: per parameter, ``requires_grad``; per part, its own."""
+
+    requires_grad: tuple[bool, ...]
+    parts: tuple[PartSettings, ...]
+
+
+class TracedSettings(NamedTuple):
+    """What a trace reads of a group's settings, as one constant ([Note: settings a trace reads as constants])."""
+
+    gather: GatherSettings
+    #: ``annotating_group``'s argument ([Note: the group annotation] in compile_shard._annotation).
+    annotation: dict
+
+
+#: Per distinct settings (of any group), their version: settings set back to earlier values
+#: get the earlier version back, and the graph compiled for it.
+_settings_versions: dict[tuple, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _traced_settings(group: FSDPParamGroup, settings_version: int) -> TracedSettings:
+    """``group``'s settings, read in plain Python while Dynamo traces.
+
+    [Note: settings a trace reads as constants]
+    A trace reads a group's settings where it builds the all-gather and its
+    annotation: FSDP2's knobs, dtypes, process group names, prefetch lists, and each
+    sharded parameter's ``requires_grad``. Traced, each read costs Dynamo time and a
+    guard, for every group of every trace, and ``requires_grad`` of a DTensor
+    parameter costs a fake DTensor each (docs/benchmarks.md, "Capture time by
+    depth"). So a trace reads them here once per group, as a constant, and guards on
+    ``settings_version`` alone (passed as an argument, a traced read). Every setter
+    sets them through ``change_settings``, which numbers what this constant holds:
+    the next call recompiles, or finds the graph of settings it had before (a loop
+    that alternates two compiles each once). ``requires_grad_()`` has no setter: the
+    root's eager forward compares the flags before each step
+    (``note_requires_grad``), and a trace that does not start there (the root's
+    forward traced inside a frame compiled around it) reads the flags of the groups
+    it gathers (``guard_requires_grad``), which Dynamo guards. Eager mode reads
+    everything live (``gather_settings``); the trace reads what changes between
+    steps (accumulated gradients, kept parameters, grad mode) as before.
+    """
+    return TracedSettings(group.gather_settings(), group_metadata(group.annotation()))
 
 
 class TrainingState(enum.Enum):
@@ -336,7 +396,7 @@ class FSDPParamGroup:
         # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction_for_comms = False
-        self.set_gradient_reduction(None, False)
+        self.gradient_reduction = GradientReduction.choose(self.data_parallel_size, None, False, self.reduction_dtype)
         # FSDP2's set_requires_gradient_sync: while False, backward adds the unsharded
         # gradients into ``accumulated_grad`` instead of reducing them
         # ([Note: gradient accumulation without sync] in compile_shard.ops).
@@ -384,6 +444,9 @@ class FSDPParamGroup:
         self._kept_by_trace = False
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
+        # [Note: settings a trace reads as constants]
+        self._noted_requires_grad = self._requires_grad()
+        self._settings_changed()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """Allocates the accumulation buffer here, in eager Python, so that a trace only reads it."""
@@ -414,9 +477,6 @@ class FSDPParamGroup:
         """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
         return self.reduce_dtype or self.gradient_dtype
 
-    def _takes_gradients(self, part: AllGatherPart) -> bool:
-        return any(self.fsdp_params[index].sharded_param.requires_grad for index in part.indices)
-
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
         self._bind("all_reduce_hook", hook)
 
@@ -440,7 +500,7 @@ class FSDPParamGroup:
         name = self._bound[role][0] if role in self._bound else ops.new_name(f"{self.module_name}.{role}")
         ops.bind(name, obj)
         self._bound[role] = (name, obj)
-        setattr(self, f"{role}_name", None if obj is None else name)
+        self.change_settings(**{f"{role}_name": None if obj is None else name})
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, unpickling) registers its copies of the objects under names of its own."""
@@ -451,7 +511,7 @@ class FSDPParamGroup:
             self._bind(role, obj)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
-        self.reduce_scatter_unused_params = reduce_scatter_unused_params
+        self.change_settings(reduce_scatter_unused_params=reduce_scatter_unused_params)
         for fsdp_param in self.fsdp_params:
             fsdp_param.used_since_reduction = None
 
@@ -462,27 +522,81 @@ class FSDPParamGroup:
         the same ranks share one process group, as in FSDP2.
         """
         if not enable:
-            self.reduce_scatter_group_name = None
+            self.change_settings(reduce_scatter_group_name=None)
             return
         ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(self.mesh.ndim - 1)))
         if ranks not in new_groups:
             new_groups[ranks] = self.reduce_scatter_group_name or dist.new_group(
                 list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
             ).group_name
-        self.reduce_scatter_group_name = new_groups[ranks]
+        self.change_settings(reduce_scatter_group_name=new_groups[ranks])
 
     def _part_taking_gradients(self) -> AllGatherPart | None:
-        return next((part for part in self.all_gather_parts if self._takes_gradients(part)), None)
+        requires_grad = self._requires_grad()
+        return next((part for part in self.all_gather_parts if any(requires_grad[i] for i in part.indices)), None)
 
-    def _all_gather_options(self, part: AllGatherPart) -> tuple:
+    def change_settings(self, **settings: Any) -> None:
+        """Sets settings a trace reads, and their version ([Note: settings a trace reads as constants])."""
+        for name, value in settings.items():
+            setattr(self, name, value)
+        self._settings_changed()
+
+    def _settings_changed(self) -> None:
+        settings = (self.annotation(), self.gather_settings())
+        self.settings_version = _settings_versions.setdefault(settings, len(_settings_versions))
+
+    def _requires_grad(self) -> tuple[bool, ...]:
+        return tuple(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
+
+    def note_requires_grad(self) -> None:
+        """Eager: the settings' version again where a parameter was frozen or unfrozen since the last call."""
+        requires_grad = self._requires_grad()
+        if requires_grad != self._noted_requires_grad:
+            self._noted_requires_grad = requires_grad
+            self._settings_changed()
+
+    def guard_requires_grad(self) -> None:
+        """Reads each sharded parameter's ``requires_grad`` in a trace, for Dynamo to guard on, where the root's
+        eager forward did not compare them ([Note: settings a trace reads as constants])."""
+        self._requires_grad()
+
+    def gather_settings(self) -> GatherSettings:
+        """What the all-gathers take from the settings, read now (in a trace, ``_traced_settings`` reads them)."""
+        requires_grad = self._requires_grad()
+        parts = []
+        for part in self.all_gather_parts:
+            reduction = self.gradient_reduction
+            options = (
+                reduction.reduce_op,
+                reduction.premul_factor,
+                reduction.postdivide_factor,
+                None,
+                True,
+                part.param_dtype,
+                self.reduce_dtype,
+                self.replicate_group_name,
+                True,
+                None,
+                self.reduce_scatter_group_name,
+                self.all_reduce_hook_name,
+                self.all_gather_comm_name,
+                self.reduce_scatter_comm_name,
+            )
+            given = len(options)
+            while given and _is_default(options[given - 1], _OPTION_DEFAULTS[given - 1]):
+                given -= 1
+            takes_gradients = any(requires_grad[index] for index in part.indices)
+            parts.append(PartSettings(takes_gradients, options, given))
+        return GatherSettings(requires_grad, tuple(parts))
+
+    def _all_gather_options(self, settings: PartSettings) -> tuple:
         """``fsdp::all_gather_into``'s optional arguments, trailing defaults left out (graphs show what differs).
 
         A gathering with gradients takes the accumulated gradient with it (the group
         forgets it: the backward that receives it reduces it); one without gradients
         (an evaluation forward, a refill) leaves it for the next.
         """
-        reduction = self.gradient_reduction
-        takes_gradients = torch.is_grad_enabled() and self._takes_gradients(part)
+        takes_gradients = torch.is_grad_enabled() and settings.takes_gradients
         accumulated_grad, reduce_grads = None, True
         if self.accumulated_grad is not None and takes_gradients:
             accumulated_grad, reduce_grads = self.accumulated_grad, self.requires_gradient_sync
@@ -493,53 +607,48 @@ class FSDPParamGroup:
             partial_reduce_output, all_reduce_grads = self.partial_reduce_output, self.requires_all_reduce
             if all_reduce_grads:
                 self.partial_reduce_output = None
-        values = (
-            reduction.reduce_op,
-            reduction.premul_factor,
-            reduction.postdivide_factor,
-            accumulated_grad,
-            reduce_grads,
-            part.param_dtype,
-            self.reduce_dtype,
-            self.replicate_group_name,
-            all_reduce_grads,
-            partial_reduce_output,
-            self.reduce_scatter_group_name,
-            self.all_reduce_hook_name,
-            self.all_gather_comm_name,
-            self.reduce_scatter_comm_name,
-        )
-        defaults = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None)
-        given = len(values)
-        while given and _is_default(values[given - 1], defaults[given - 1]):
-            given -= 1
-        return values[:given]
+        options, given = settings.options, settings.given
+        if partial_reduce_output is not None:
+            given = max(given, 10)
+        elif not all_reduce_grads:
+            given = max(given, 9)
+        elif not reduce_grads:
+            given = max(given, 5)
+        elif accumulated_grad is not None:
+            given = max(given, 4)
+        if given <= 3:
+            return options[:given]
+        values = (*options[:3], accumulated_grad, reduce_grads, *options[5:8], all_reduce_grads, partial_reduce_output)
+        return (*values, *options[10:])[:given]
 
     def set_gradient_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
         self.gradient_divide_factor = divide_factor
         self.force_sum_reduction_for_comms = force_sum
-        self.gradient_reduction = GradientReduction.choose(
-            self.data_parallel_size, divide_factor, force_sum, self.reduction_dtype
+        self.change_settings(
+            gradient_reduction=GradientReduction.choose(
+                self.data_parallel_size, divide_factor, force_sum, self.reduction_dtype
+            )
         )
 
     # Collectives ------------------------------------------------------------------
 
-    def _all_gather(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _all_gather(self, settings: GatherSettings) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """All-gathers the group (one collective per part) and copies out one tensor per parameter."""
         if self.has_extensions:
-            return self._as_gathered(self._gather_with_extensions())
-        all_gather_outputs = self._all_gather_outputs()
+            return self._as_gathered(self._gather_with_extensions(), settings)
+        all_gather_outputs = self._all_gather_outputs(settings)
         return self._copy_out(all_gather_outputs), all_gather_outputs
 
-    def _all_gather_outputs(self) -> list[torch.Tensor]:
+    def _all_gather_outputs(self, settings: GatherSettings) -> list[torch.Tensor]:
         """One all-gather per part, not copied out."""
         all_gather_outputs = []
-        for part in self.all_gather_parts:
-            shards = [self.fsdp_params[index].all_gather_shard() for index in part.indices]
+        for part, part_settings in zip(self.all_gather_parts, settings.parts):
+            shards = [
+                self.fsdp_params[index].all_gather_shard(settings.requires_grad[index]) for index in part.indices
+            ]
+            options = self._all_gather_options(part_settings)
             all_gather_outputs.append(
-                ops.all_gather_into(
-                    shards, part.padded_numels, self.world_size, self.group_name, *self._all_gather_options(part)
-                )
+                ops.all_gather_into(shards, part.padded_numels, self.world_size, self.group_name, *options)
             )
         return all_gather_outputs
 
@@ -588,7 +697,9 @@ class FSDPParamGroup:
                     unsharded.append(fsdp_param.unsharded_from_rows(rows))
         return unsharded
 
-    def _as_gathered(self, gathered: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _as_gathered(
+        self, gathered: list[torch.Tensor], settings: GatherSettings
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Unsharded parameters gathered another way as a new all-gather's outputs.
 
         Kept from an earlier all-gather, gathered by a custom all-gather or through
@@ -597,15 +708,18 @@ class FSDPParamGroup:
         """
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
-        for part in self.all_gather_parts:
+        for part, part_settings in zip(self.all_gather_parts, settings.parts):
             params = [self.fsdp_params[index] for index in part.indices]
             tensors = [gathered[index].detach() for index in part.indices]
             output = tensors[0]
-            if torch.is_grad_enabled() and self._takes_gradients(part):
+            if torch.is_grad_enabled() and part_settings.takes_gradients:
                 # as_gathered's autograd node works on rows ([Note: sharding on another dim]).
                 rows = [fsdp_param.rows_of(tensor) for fsdp_param, tensor in zip(params, tensors)]
-                shards = [fsdp_param.all_gather_shard() for fsdp_param in params]
-                options = self._all_gather_options(part)
+                shards = [
+                    fsdp_param.all_gather_shard(settings.requires_grad[index])
+                    for fsdp_param, index in zip(params, part.indices)
+                ]
+                options = self._all_gather_options(part_settings)
                 # Eager mode takes views; a traced graph needs the op, whose outputs are new tensors, except
                 # for a tensor subclass ([Note: an unsharded tensor subclass in a trace] in compile_shard.ops).
                 plain = all(type(row) is torch.Tensor for row in rows)
@@ -660,8 +774,12 @@ class FSDPParamGroup:
         parameters or gathers them again (``reshard``).
         """
         kept = self.kept_after_backward
-        with annotating_group(self.annotation()):
-            tensors, _ = self._all_gather() if kept is None else self._as_gathered(list(kept))
+        settings = _traced_settings(self, self.settings_version)
+        with annotating_group(settings.annotation):
+            if kept is None:
+                tensors, _ = self._all_gather(settings.gather)
+            else:
+                tensors, _ = self._as_gathered(list(kept), settings.gather)
         self._keep_traced(tensors, kept)
         return tensors
 
@@ -745,8 +863,8 @@ class FSDPParamGroup:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
         if self.kept_after_backward is not None:
             kept, self.kept_after_backward = self.kept_after_backward, None
-            return self._as_gathered(list(kept))
-        return self._all_gather()
+            return self._as_gathered(list(kept), self.gather_settings())
+        return self._all_gather(self.gather_settings())
 
     def _watch_use(self, tensors: list[torch.Tensor]) -> None:
         """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in
@@ -779,7 +897,7 @@ class FSDPParamGroup:
             if unsharded.post_forward_chunks is not None:
                 fresh = self._all_gather_post_forward_chunks(unsharded.post_forward_chunks)
             else:
-                fresh, _ = self._all_gather()
+                fresh, _ = self._all_gather(self.gather_settings())
         unsharded.refill(fresh)
 
     def show_traced_unsharded_params(self) -> bool:
@@ -800,8 +918,9 @@ class FSDPParamGroup:
         """Inside a trace: all-gathers the group unless already done, and leaves the copy-out to its block."""
         if self.shown_params[0] is not None or self.shown_params[-1] is not None:
             return False
-        with annotating_group(self.annotation()):
-            self.shown_params[-1] = self._all_gather_outputs()
+        settings = _traced_settings(self, self.settings_version)
+        with annotating_group(settings.annotation):
+            self.shown_params[-1] = self._all_gather_outputs(settings.gather)
         for slot in range(len(self.fsdp_params)):
             self.use_flags[slot] = None  # see show_traced_unsharded_params
         return True
@@ -817,7 +936,7 @@ class FSDPParamGroup:
 
     def copy_out_traced(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies out and shows the unsharded parameters from ``gather_traced``'s all-gather outputs."""
-        with annotating_group(self.annotation()):
+        with annotating_group(_traced_settings(self, self.settings_version).annotation):
             tensors = self._copy_out(all_gather_outputs)
         for fsdp_param, tensor in zip(self.fsdp_params, tensors):
             fsdp_param.show_unsharded(tensor)

@@ -234,8 +234,9 @@ class FSDPParam:
     writes by hand: set, or added to a gradient already there (accumulation), then
     the parameter's own post-accumulate-grad hooks. ``shard`` always requires grad;
     the all-gather reads it detached while ``sharded_param.requires_grad`` is False
-    (``all_gather_shard``), a read that Dynamo guards, so freezing a parameter after
-    ``fully_shard`` recompiles instead of computing its gradient. ``shard`` follows
+    (``all_gather_shard``), and freezing a parameter after compiling recompiles
+    instead of computing its gradient ([Note: settings a trace reads as constants]
+    in compile_shard._group). ``shard`` follows
     the local tensor through ``reset_sharded_param``; a local tensor replaced any
     other way (``param.data = ...``) is not seen, as with FSDP2.
 
@@ -437,8 +438,11 @@ class FSDPParam:
         shard.register_post_accumulate_grad_hook(accumulate_sharded_grad)
         return shard
 
-    def all_gather_shard(self) -> torch.Tensor:
+    def all_gather_shard(self, requires_grad: bool) -> torch.Tensor:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient, on the mesh's device.
+
+        ``requires_grad``: the sharded parameter's, as the caller read it ([Note: settings
+        a trace reads as constants] in compile_shard._group).
 
         [Note: CPU offload]
         FSDP2's ``CPUOffloadPolicy`` on an accelerator's mesh: the padded shard, and with
@@ -454,7 +458,7 @@ class FSDPParam:
         without blocking and waits for it at the end of backward; autograd's copy
         blocks at each: the same values, later.
         """
-        shard = self.shard if self.sharded_param.requires_grad else self.shard.detach()
+        shard = self.shard if requires_grad else self.shard.detach()
         return shard if self.compute_device is None else shard.to(self.compute_device, non_blocking=True)
 
     def extension_inputs(self, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> tuple[list[torch.Tensor], Any]:
