@@ -72,6 +72,9 @@ class FSDPState:
         # module whose subtree holds no other fully_shard module, else empty.
         self.region_modules: list[nn.Module] = []
         self.is_block = False  # whether ``region_modules`` lists any: a plain read, where the list is one per module
+        # The writes to the block's modules that Dynamo does not guard ([Note: a block's attribute writes are
+        # counted] in ``_attribute_writes``).
+        self.region_writes = 0
 
     def region_changed(self) -> None:
         """Lists the modules of a block traced as a compile region, and counts their writes.

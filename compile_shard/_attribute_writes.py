@@ -10,9 +10,10 @@ when the trace runs.
 Two kinds of write escape both: an attribute added to (or deleted from) a later block
 after the first compile, and an object attribute replaced by another object. Each module of
 a region block therefore has a class with ``CountsWrites``'s ``__setattr__`` and
-``__delattr__`` and an integer ``_compile_shard_writes`` that they raise on such a
-write; ``call_in_region`` reads that integer with the plain attributes, so the write
-fails the guard, and the recompile keys the block anew.
+``__delattr__``, which raise the block's count (``region_writes`` of its ``FSDPState``,
+of each block a module shared between blocks belongs to) on such a write;
+``call_in_region`` reads that one integer with the plain attributes, so the write fails
+the guard, and the recompile keys the block anew.
 
 A submodule added, replaced or deleted counts too, and the block's owner (its
 ``FSDPState``) lists its modules anew (``region_changed``), so that the new ones count
@@ -33,8 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
-WRITES_ATTR = "_compile_shard_writes"
-_OWNER_ATTR = "_compile_shard_region_owner"
+#: The owners (``RegionOwner``) of the blocks a module belongs to, set on the module.
+_OWNERS_ATTR = "_compile_shard_region_owners"
 
 #: Values compared by value: a region key holds them, and Dynamo guards on each read of one.
 PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -52,7 +53,9 @@ def _changes_what_guards_miss(before: Any, after: Any) -> bool:
 
 
 class RegionOwner(Protocol):
-    """What holds a region block's list of modules (``FSDPState``)."""
+    """What holds a region block's list of modules and counts their writes (``FSDPState``)."""
+
+    region_writes: int
 
     def region_changed(self) -> None:
         """Lists the block's modules anew: a submodule was added, replaced or deleted."""
@@ -78,12 +81,13 @@ class CountsWrites:
         self._count_write(before, _held(self, name))
 
     def _count_write(self, before: Any, after: Any) -> None:
-        writes = self.__dict__.get(WRITES_ATTR)
-        if writes is None or not _changes_what_guards_miss(before, after):
+        owners = self.__dict__.get(_OWNERS_ATTR)
+        if owners is None or not _changes_what_guards_miss(before, after):
             return
-        self.__dict__[WRITES_ATTR] = writes + 1
-        if isinstance(before, torch.nn.Module) or isinstance(after, torch.nn.Module):
-            self.__dict__[_OWNER_ATTR].region_changed()
+        for owner in owners:
+            owner.region_writes += 1
+            if isinstance(before, torch.nn.Module) or isinstance(after, torch.nn.Module):
+                owner.region_changed()
 
 
 _COUNTING_CLASSES: dict[type, type] = {}
@@ -104,5 +108,6 @@ def count_writes(modules: list[torch.nn.Module], owner: RegionOwner) -> None:
     """Starts counting the writes to ``modules`` (a region block's modules) that Dynamo does not guard."""
     for module in modules:
         module.__class__ = writes_counting_class(type(module))
-        module.__dict__.setdefault(WRITES_ATTR, 0)
-        module.__dict__[_OWNER_ATTR] = owner
+        owners = module.__dict__.get(_OWNERS_ATTR, ())
+        if owner not in owners:
+            module.__dict__[_OWNERS_ATTR] = (*owners, owner)

@@ -83,8 +83,8 @@ class AllGatherPart:
     """
 
     indices: tuple[int, ...]
-    padded_numels: list[int]
-    unsharded_shapes: list[torch.Size]
+    padded_numels: tuple[int, ...]
+    unsharded_shapes: tuple[torch.Size, ...]
     #: ``all_gather_into``'s cast: the part's dtype where a shard is in another, else None.
     param_dtype: torch.dtype | None
 
@@ -119,7 +119,7 @@ def _wire_dtype(fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> torch
     return mp_policy.param_dtype if mp_policy.param_dtype is not None and dtype.is_floating_point else dtype
 
 
-def _all_gather_parts(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> list[AllGatherPart]:
+def _all_gather_parts(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> tuple[AllGatherPart, ...]:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, fsdp_param in enumerate(fsdp_params):
         by_dtype.setdefault(_wire_dtype(fsdp_param, mp_policy), []).append(index)
@@ -130,12 +130,12 @@ def _all_gather_parts(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPol
         parts.append(
             AllGatherPart(
                 tuple(indices),
-                [fsdp_param.padded_numel for fsdp_param in params],
-                [fsdp_param.unsharded_shape for fsdp_param in params],
+                tuple(fsdp_param.padded_numel for fsdp_param in params),
+                tuple(fsdp_param.unsharded_shape for fsdp_param in params),
                 dtype if casts else None,
             )
         )
-    return parts
+    return tuple(parts)
 
 
 def _gradient_dtype(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> torch.dtype:
@@ -182,6 +182,8 @@ class GatherSettings(NamedTuple):
     """What the all-gathers take from the group's settings: per parameter, ``requires_grad``; per part, its own."""
 
     requires_grad: tuple[bool, ...]
+    #: The group's, fixed when it was sharded: a constant in a trace, like the rest.
+    all_gather_parts: tuple[AllGatherPart, ...]
     parts: tuple[PartSettings, ...]
 
 
@@ -587,7 +589,7 @@ class FSDPParamGroup:
                 given -= 1
             takes_gradients = any(requires_grad[index] for index in part.indices)
             parts.append(PartSettings(takes_gradients, options, given))
-        return GatherSettings(requires_grad, tuple(parts))
+        return GatherSettings(requires_grad, self.all_gather_parts, tuple(parts))
 
     def _all_gather_options(self, settings: PartSettings) -> tuple:
         """``fsdp::all_gather_into``'s optional arguments, trailing defaults left out (graphs show what differs).
@@ -637,12 +639,12 @@ class FSDPParamGroup:
         if self.has_extensions:
             return self._as_gathered(self._gather_with_extensions(), settings)
         all_gather_outputs = self._all_gather_outputs(settings)
-        return self._copy_out(all_gather_outputs), all_gather_outputs
+        return self._copy_out(all_gather_outputs, settings.all_gather_parts), all_gather_outputs
 
     def _all_gather_outputs(self, settings: GatherSettings) -> list[torch.Tensor]:
         """One all-gather per part, not copied out."""
         all_gather_outputs = []
-        for part, part_settings in zip(self.all_gather_parts, settings.parts):
+        for part, part_settings in zip(settings.all_gather_parts, settings.parts):
             shards = [
                 self.fsdp_params[index].all_gather_shard(settings.requires_grad[index]) for index in part.indices
             ]
@@ -708,7 +710,7 @@ class FSDPParamGroup:
         """
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
         outputs = []
-        for part, part_settings in zip(self.all_gather_parts, settings.parts):
+        for part, part_settings in zip(settings.all_gather_parts, settings.parts):
             params = [self.fsdp_params[index] for index in part.indices]
             tensors = [gathered[index].detach() for index in part.indices]
             output = tensors[0]
@@ -744,12 +746,14 @@ class FSDPParamGroup:
             ops.all_gather_into([chunk], [chunk.numel()], reshard_group.size, reshard_group.group_name)
             for chunk in post_forward_chunks
         ]
-        return self._copy_out(all_gather_outputs)
+        return self._copy_out(all_gather_outputs, self.all_gather_parts)
 
-    def _copy_out(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _copy_out(
+        self, all_gather_outputs: list[torch.Tensor], all_gather_parts: Sequence[AllGatherPart]
+    ) -> list[torch.Tensor]:
         """One tensor per parameter, in the group's order, from each part's all-gather output."""
         unsharded: list[torch.Tensor] = [None] * len(self.fsdp_params)  # type: ignore[list-item]
-        for part, all_gather_output in zip(self.all_gather_parts, all_gather_outputs):
+        for part, all_gather_output in zip(all_gather_parts, all_gather_outputs):
             per_rank = all_gather_output.view(self.world_size, -1).split(part.padded_numels, dim=1)
             for index, chunk, shape in zip(part.indices, per_rank, part.unsharded_shapes):
                 rows = _unpadded(chunk.reshape(-1, *shape[1:]), shape[0])
@@ -936,8 +940,9 @@ class FSDPParamGroup:
 
     def copy_out_traced(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies out and shows the unsharded parameters from ``gather_traced``'s all-gather outputs."""
-        with annotating_group(_traced_settings(self, self.settings_version).annotation):
-            tensors = self._copy_out(all_gather_outputs)
+        settings = _traced_settings(self, self.settings_version)
+        with annotating_group(settings.annotation):
+            tensors = self._copy_out(all_gather_outputs, settings.gather.all_gather_parts)
         for fsdp_param, tensor in zip(self.fsdp_params, tensors):
             fsdp_param.show_unsharded(tensor)
         return tensors

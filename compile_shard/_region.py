@@ -43,10 +43,10 @@ differ only in what no body reads (torchtitan's ``layer_id``, Hugging Face's
 learned from its trace (``_learn_reads``): each read is a guard whose source names the
 attribute. The first block of each key runs inlined ([Note: the first block of each
 key runs inlined]) and shows what the forward reads on its path; the names are kept
-per signature. Which attributes to read is found per trace (``_plain_attributes``),
-``_compile_shard_writes`` always among them: the count of the writes these reads miss
-(an attribute added or deleted, an object or a submodule replaced), [Note: a block's
-attribute writes are counted] in ``_attribute_writes``.
+per signature. Which attributes to read is found per trace (``_plain_attributes``);
+the key reads the block's count of the writes these reads miss too (an attribute added
+or deleted, an object or a submodule replaced), [Note: a block's attribute writes are
+counted] in ``_attribute_writes``.
 
 A number that changed is not always a new constant: Dynamo recompiles with it as a
 symbolic input (automatic dynamic; measured on torch 2.13 for a float attribute),
@@ -157,7 +157,7 @@ from torch._dynamo.variables.base import (
 from torch._dynamo.variables.tensor import TensorVariable
 
 from . import _invoke_subgraph
-from ._attribute_writes import PLAIN, WRITES_ATTR
+from ._attribute_writes import PLAIN
 from ._param import FSDPParam
 from ._versions import REGIONS_SUPPORTED, SYMBOLIC_NUMBERS_LOOK_PLAIN
 
@@ -384,12 +384,9 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
     tensor_keys = _read_at_trace_time(_tensor_metadata, flat)
     # The plain leaves themselves: their values, read here, are guarded.
     plain_leaves = tuple(leaf if key is None else None for leaf, key in zip(flat, tensor_keys))
-    attribute_names, numbers = _plain_attributes(module)
-    values = tuple(
-        getattr(submodule, name)
-        for submodule, module_names in zip(state.region_modules, attribute_names)
-        for name in module_names
-    )
+    places, numbers = _plain_attributes(module)
+    modules = state.region_modules
+    values = tuple(getattr(modules[at], name) for at, name in places)
     if SYMBOLIC_NUMBERS_LOOK_PLAIN:
         if any(_read_at_trace_time(_symbolic_values, values)):
             return None
@@ -400,6 +397,7 @@ def _block_key(module: nn.Module, writes: int, layout: str, flat: tuple) -> int 
         (
             _signature_hash(module),
             values,
+            state.region_writes,
             writes,
             torch.is_autocast_enabled(device_type),
             torch.get_autocast_dtype(device_type),
@@ -871,27 +869,23 @@ def enters_gathered_as_views(module: nn.Module) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...]]:
+def _plain_attributes(module: nn.Module) -> tuple[tuple[tuple[int, str], ...], tuple[int, ...]]:
     """Where the block's modules hold the plain values its key reads, found per trace.
 
-    Those the bodies of blocks like it read (``_READ_NAMES``) and the count of writes
-    the guards miss. The names for each module of ``region_modules``, and the
-    positions among all of them of the numbers (``int`` or ``float``, not ``bool``),
-    which Dynamo may make symbolic.
+    Those the bodies of blocks like it read (``_READ_NAMES``): each as the position of
+    its module in ``region_modules`` and its name, and the positions among them of the
+    numbers (``int`` or ``float``, not ``bool``), which Dynamo may make symbolic.
     """
     _forget_failed_attempts()
-    read = _READ_NAMES.get(_signature_hash(module), frozenset()) | {WRITES_ATTR}
-    values = [
-        {
-            name: value
-            for name, value in sorted(submodule.__dict__.items())
-            if name in read and isinstance(value, PLAIN)
-        }
-        for submodule in module._compile_shard_state.region_modules
-    ]
-    flat = [value for plain in values for value in plain.values()]
-    numbers = tuple(position for position, value in enumerate(flat) if value.__class__ in (int, float))
-    return tuple(tuple(plain) for plain in values), numbers
+    read = _READ_NAMES.get(_signature_hash(module), frozenset())
+    places, values = [], []
+    for at, submodule in enumerate(module._compile_shard_state.region_modules):
+        for name, value in sorted(submodule.__dict__.items()):
+            if name in read and isinstance(value, PLAIN):
+                places.append((at, name))
+                values.append(value)
+    numbers = tuple(position for position, value in enumerate(values) if value.__class__ in (int, float))
+    return tuple(places), numbers
 
 
 def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
-from compile_shard._attribute_writes import WRITES_ATTR
+from compile_shard._attribute_writes import _OWNERS_ATTR
 from compile_shard._region import accepts_region_call, block_signature
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
@@ -719,7 +719,8 @@ def test_writes_the_guards_see_are_not_counted():
         model = _ScaledModel()
         _shard_blocks_and_root(model)
     block, linear = model.blocks[2], model.blocks[2].linear
-    assert WRITES_ATTR not in model.__dict__ and WRITES_ATTR not in model.proj.__dict__  # not region modules
+    assert _OWNERS_ATTR not in model.__dict__ and _OWNERS_ATTR not in model.proj.__dict__  # not region modules
+    state = block._compile_shard_state
     counts = []
     for write in (
         lambda: setattr(block, "scale", 2.0),
@@ -730,14 +731,15 @@ def test_writes_the_guards_see_are_not_counted():
         lambda: delattr(linear, "mask"),
         lambda: setattr(block, "activation", nn.Tanh()),  # a submodule added
     ):
-        before = block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR]
+        before = state.region_writes
         write()
-        counts.append(block.__dict__[WRITES_ATTR] + linear.__dict__[WRITES_ATTR] - before)
+        counts.append(state.region_writes - before)
     assert counts == [0, 1, 0, 1, 0, 1, 1]
     # The new submodule is one of the block's modules, counting its own writes.
     assert block.activation in block._compile_shard_state.region_modules
+    before = state.region_writes
     block.activation.extra = object()
-    assert block.activation.__dict__[WRITES_ATTR] == 1
+    assert state.region_writes == before + 1
 
 
 class _BreakingBlock(_ScaledBlock):
