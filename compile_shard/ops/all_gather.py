@@ -219,11 +219,23 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
     if len(set(ctx.shard_dtypes)) == 1:
         sharded_grad = sharded_grad.to(ctx.shard_dtypes[0])
     return [
-        padded_grad[: shape.numel()].view(shape).to(dtype)
+        _shard_grad(padded_grad, shape, dtype)
         for padded_grad, shape, dtype in zip(
             sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
         )
     ]
+
+
+def _shard_grad(padded_grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A shard's gradient from its padded part of the sharded gradient.
+
+    Only the ops that change something: each call is an op AOTAutograd traces per
+    parameter of every group (docs/benchmarks.md, "Capture time by depth").
+    """
+    if padded_grad.numel() != shape.numel():
+        padded_grad = padded_grad[: shape.numel()]
+    grad = padded_grad.view(shape)
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 # The all-reduce hook -----------------------------------------------------------------
