@@ -808,10 +808,12 @@ def accepts_region_call(args: tuple, kwargs: dict) -> bool:
     Anything else runs the block inlined: a deeper structure or an object (the layout
     describes one level, [Note: region arguments are flat]).
     """
+    accepted = (torch.Tensor, *PLAIN)
     for value in [*args, *kwargs.values()]:
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        if not all(isinstance(item, (torch.Tensor, *PLAIN)) for item in items):
-            return False
+        # Loops, not ``all()``: Dynamo traces this at every block, and a generator costs it more.
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if not isinstance(item, accepted):
+                return False
     return True
 
 
