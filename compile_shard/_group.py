@@ -565,9 +565,9 @@ class FSDPParamGroup:
     def gather_settings(self) -> GatherSettings:
         """What the all-gathers take from the settings, read now (in a trace, ``_traced_settings`` reads them)."""
         requires_grad = self._requires_grad()
+        reduction = self.gradient_reduction
         parts = []
         for part in self.all_gather_parts:
-            reduction = self.gradient_reduction
             options = (
                 reduction.reduce_op,
                 reduction.premul_factor,
@@ -609,6 +609,7 @@ class FSDPParamGroup:
             partial_reduce_output, all_reduce_grads = self.partial_reduce_output, self.requires_all_reduce
             if all_reduce_grads:
                 self.partial_reduce_output = None
+        # The settings' arguments with this step's in their places, trailing defaults left out as before.
         options, given = settings.options, settings.given
         if partial_reduce_output is not None:
             given = max(given, 10)
