@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,25 +29,55 @@ HF_ARGS = [*SMALL, "--hidden", "32"]
 
 
 def _torchrun(script: str, *args: str, expect_success: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``examples/<script>`` on 2 processes; a failure's message carries the output's tail."""
+    """Runs ``examples/<script>`` on 2 processes; a failure's message carries each rank's tail.
+
+    A launch in which a rank died of SIGABRT runs once more ([Note: gloo's aborts]).
+    """
     # --standalone: torchrun's rendezvous store binds a port the OS picks. A port picked
     # here and passed in could be taken (by another test's gloo connections, say) before
     # torchrun binds it.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # --tee 2: each rank's stderr comes back prefixed with its rank ("[default1]:").
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--tee", "2"]
     command += [str(EXAMPLES / script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = _launch(command, env)
+    if expect_success and result.returncode != 0 and _GLOO_ABORT in result.stderr:
+        warnings.warn(f"a rank aborted (SIGABRT); ran again:\n{_tails(result)}")
+        result = _launch(command, env)
+    if (result.returncode == 0) != expect_success:
+        pytest.fail(f"{' '.join(command)} exited with {result.returncode}\n{_tails(result)}")
+    return result
+
+
+# [Note: gloo's aborts]
+# Torch 2.13's gloo now and then aborts a rank from C++ ("terminate called without an
+# active exception" at interpreter teardown, which the examples skip with os._exit; and
+# once in CI a rank of torch FSDP2's own run of fsdp2_tutorial.py died of SIGABRT while
+# gathering the full state dict, leaving the other rank's read reset by peer, not
+# reproduced in over 70 launches since). A script's own error, raised in Python, ends its rank
+# with exit code 1, not a signal. A launch with an aborted rank runs again, once.
+_GLOO_ABORT = "Signal 6 (SIGABRT)"
+
+
+def _launch(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired as error:
         parts = (error.stdout, error.stderr)
         output = "".join(part.decode() if isinstance(part, bytes) else part or "" for part in parts)
         pytest.fail(f"{' '.join(command)} timed out; output's tail:\n{output[-8000:]}")
-    if (result.returncode == 0) != expect_success:
-        pytest.fail(
-            f"{' '.join(command)} exited with {result.returncode}\n"
-            f"--- stdout (tail) ---\n{result.stdout[-4000:]}\n--- stderr (tail) ---\n{result.stderr[-8000:]}"
-        )
-    return result
+
+
+def _tails(result: subprocess.CompletedProcess) -> str:
+    """The tail of stdout and of each rank's stderr: one rank's traceback can fill the whole tail."""
+    by_source: dict[str, list[str]] = {}
+    for line in result.stderr.splitlines():
+        match = re.match(r"\[default(\d+)\]:", line)
+        by_source.setdefault(f"rank {match.group(1)}" if match else "torchrun", []).append(line)
+    parts = [f"--- stdout (tail) ---\n{result.stdout[-3000:]}"]
+    for source, lines in sorted(by_source.items()):
+        parts.append(f"--- stderr of {source} (tail) ---\n{chr(10).join(lines)[-4000:]}")
+    return "\n".join(parts)
 
 
 def _losses(stdout: str) -> dict[int, float]:
