@@ -96,7 +96,7 @@ def _keep_alive(graph: fx.Graph, wait: fx.Node, inputs: list[fx.Node]) -> None:
 _COPIES = (
     *VIEWS,
     aten.cat.default,
-    aten.constant_pad_nd.default,
+    fsdp.copy_in.default,
     aten.clone.default,
     aten.split_with_sizes.default,
     operator.getitem,
@@ -117,22 +117,19 @@ def _erase_unused(graph: fx.Graph, replaced: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-def _copied_in_shards(all_gather_input: fx.Node) -> tuple[list[fx.Node], list[int]] | None:
-    """The shards a lowered copy-in flattens, pads and concatenates, and their padded numels; or None."""
-    pieces = all_gather_input.args[0] if all_gather_input.target is aten.cat.default else [all_gather_input]
-    shards, padded_numels = [], []
-    for piece in pieces:
-        padded_numels.append(piece.meta["val"].numel())
-        if piece.target is aten.constant_pad_nd.default:
-            piece, padding, *value = piece.args
-            if len(padding) != 2 or padding[0] != 0 or (value and value[0] != 0):
-                return None
-        if piece.target not in VIEWS or piece.meta["val"].dim() != 1:
-            return None
-        shards.append(piece.args[0])
+def _copied_in_shards(all_gather_input: fx.Node) -> tuple[list[fx.Node], list[int], torch.dtype] | None:
+    """The shards a lowered copy-in copies (one ``fsdp.copy_in``, or one shard's flat view), their
+    padded numels and the dtype it casts them to; or None."""
+    dtype = all_gather_input.meta["val"].dtype
+    if all_gather_input.target is fsdp.copy_in.default:
+        shards, padded_numels = all_gather_input.args[:2]
+    elif all_gather_input.target in VIEWS and all_gather_input.meta["val"].dim() == 1:
+        shards, padded_numels = [all_gather_input.args[0]], [all_gather_input.meta["val"].numel()]
+    else:
+        return None
     if not all(is_concrete_int(numel) for numel in padded_numels):
         return None
-    return shards, [int(numel) for numel in padded_numels]
+    return list(shards), [int(numel) for numel in padded_numels], dtype
 
 
 def _copied_out_params(wait: fx.Node, padded_numels: list[int], world_size: int) -> tuple[fx.Node, ...] | None:
@@ -159,11 +156,16 @@ def _gather_params_in_place(graph: fx.Graph, gather: fx.Node) -> bool:
     copied_in = _copied_in_shards(all_gather_input)
     if wait is None or wait.target is not c10d.wait_tensor.default or copied_in is None:
         return False
-    shards, padded_numels = copied_in
+    shards, padded_numels, dtype = copied_in
     copies = _copied_out_params(wait, padded_numels, world_size)
     if copies is None:
         return False
     insert = NodeInserter(graph, gather, gather)
+    # Mixed precision: the exchange sends each shard cast to the all-gather's dtype.
+    shards = [
+        shard if shard.meta["val"].dtype == dtype else insert(torch.ops.prims.convert_element_type.default, shard, dtype)
+        for shard in shards
+    ]
     unsharded_params = insert(aten.new_empty.default, shards[0], [world_size * sum(padded_numels)])
     insert(fsdp.all_gather_params_.default, unsharded_params, shards, padded_numels, world_size, group_name)
     wait.replace_input_with(gather, unsharded_params)

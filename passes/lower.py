@@ -1,9 +1,12 @@
 """lower: replace ``fsdp`` collectives with ``_c10d_functional`` collectives, ``wait_tensor`` and explicit copy-in.
 
 Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` custom
-op would reach it as an opaque synchronous fallback. After this pass the copy-in
-(flatten, pad, concatenate) and the averaging division are plain aten ops that
-Inductor fuses, and the collectives are the ones it understands. A reduction's input,
+op would reach it as an opaque synchronous fallback. After this pass the collectives
+are the ones Inductor understands, and the averaging division is a plain aten op it
+fuses. The copy-in (flatten, cast, pad, concatenate) becomes one ``fsdp.copy_in``,
+which Inductor does not fuse on purpose ([Note: the copy-in as one op] in
+``compile_shard.ops.all_gather``); a group of one shard that needs no cast or padding
+all-gathers the shard's flat view. A reduction's input,
 which autograd built from the gradients as padding, views and a ``cat``, becomes one
 ``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse on purpose
 ([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a gradient
@@ -19,7 +22,6 @@ the ``fsdp`` node it replaces.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
@@ -33,31 +35,17 @@ from ._graph import VIEWS, NodeInserter, c10d, cast_dtype, fsdp, op_argument
 from .patterns import gathers_saved_chunks
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
     shards, padded_numels, world_size, group_name = node.args[:4]
     param_dtype = op_argument(node, "param_dtype")
     insert = NodeInserter(graph, node, node)
-    casts, padded = [], []
-    for shard, padded_numel in zip(shards, padded_numels):
-        if param_dtype is not None and param_dtype != shard.meta["val"].dtype:
-            shard = insert(prims.convert_element_type.default, shard, param_dtype)
-            casts.append(shard)
-        flat = insert(aten.reshape.default, shard, [-1])
-        numel = shard.meta["val"].numel()
-        if is_concrete_int(numel):
-            numel = int(numel)
-        else:  # dynamic shapes
-            numel = insert(aten.sym_numel.default, shard)
-        if isinstance(padded_numel, fx.Node) or isinstance(numel, fx.Node):
-            pad = insert(operator.sub, padded_numel, numel)
-        else:
-            pad = padded_numel - numel
-        padded.append(flat if pad == 0 else insert(aten.constant_pad_nd.default, flat, [0, pad], 0.0))
-    all_gather_input = padded[0] if len(padded) == 1 else insert(aten.cat.default, padded)
-    inserted = [*casts, *padded, all_gather_input]
+    if _copies_nothing(shards, padded_numels, param_dtype):
+        all_gather_input = insert(aten.reshape.default, shards[0], [-1])
+    else:  # [Note: the copy-in as one op] in compile_shard.ops.all_gather
+        all_gather_input = insert(fsdp.copy_in.default, list(shards), list(padded_numels), param_dtype)
+    inserted = [all_gather_input]
     comm = op_argument(node, "all_gather_comm")
     if comm is not None:  # [Note: custom collectives] in compile_shard.ops.all_gather
         inserted.append(insert(fsdp.all_gather_with_comm.default, all_gather_input, world_size, group_name, comm))
@@ -80,6 +68,15 @@ def _lower_all_gather(graph: fx.Graph, node: fx.Node) -> None:
                 copy_in_node.meta.pop("recompute", None)
     node.replace_all_uses_with(gathered)
     graph.erase_node(node)
+
+
+def _copies_nothing(shards: list[fx.Node], padded_numels: list, param_dtype: torch.dtype | None) -> bool:
+    """One shard that needs no cast and no padding: its flat view is the all-gather input."""
+    if len(shards) != 1 or isinstance(padded_numels[0], fx.Node):
+        return False
+    shard = shards[0].meta["val"]
+    numel = shard.numel()
+    return param_dtype in (None, shard.dtype) and is_concrete_int(numel) and int(numel) == padded_numels[0]
 
 
 _PADDING = (aten.slice_backward.default, aten.slice_scatter.default, aten.full.default, aten.cat.default)

@@ -49,9 +49,10 @@ def test_dump_graphs_writes_each_stage_and_the_schedule(tmp_path):
     assert "fsdp.all_gather_into.default" in (folder / "00_joint.txt").read_text()
     lowered = (folder / "07_lower.txt").read_text()
     assert "_c10d_functional.all_gather_into_tensor.default" in lowered
-    # What stays in the fsdp namespace after lowering is the reduction input, a copy.
+    # What stays in the fsdp namespace after lowering are the copies: the copy-in and the reduction input.
     assert {line.split(" = ")[1].split("(")[0] for line in lowered.splitlines() if " = fsdp." in line} == {
-        "fsdp.reduce_scatter_input.default"
+        "fsdp.copy_in.default",
+        "fsdp.reduce_scatter_input.default",
     }
     assert "MUST_RECOMPUTE" in (folder / "05_reshard.txt").read_text()
     schedule = (folder / "schedule.txt").read_text().splitlines()

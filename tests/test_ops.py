@@ -105,6 +105,23 @@ def test_reduce_scatter_input_rejects_mixed_dtypes_and_a_wrong_output():
         torch.ops.fsdp.reduce_scatter_input_into_(torch.empty(24), _uneven_gradients(), 2)
 
 
+def test_opcheck_copy_in():
+    shards = [torch.randn(3, 4), torch.randn(2)]
+    opcheck(torch.ops.fsdp.copy_in.default, (shards, [16, 3]))
+    opcheck(torch.ops.fsdp.copy_in.default, ([shards[0], shards[1].double()], [16, 3], torch.bfloat16))
+
+
+def test_copy_in_flattens_casts_and_zero_pads_each_shard():
+    """FSDP2's copy-in: the shards flat, each padded with zeros to its padded numel, in ``dtype``."""
+    weight, bias = torch.randn(3, 4), torch.randn(2, dtype=torch.float64)
+    all_gather_input = ops.copy_in([weight, bias], [16, 3], torch.bfloat16)
+    expected = torch.cat([weight.reshape(-1), torch.zeros(4), bias.float(), torch.zeros(1)]).bfloat16()
+    assert all_gather_input.dtype == torch.bfloat16 and torch.equal(all_gather_input, expected)
+    torch.testing.assert_close(ops.copy_in([weight], [12]), weight.reshape(-1), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="fsdp::copy_in needs one dtype or a param_dtype"):
+        ops.copy_in([weight, bias], [16, 3])
+
+
 def test_opcheck_copy_out():
     opcheck(torch.ops.fsdp.copy_out.default, (torch.randn(2 * 19, requires_grad=True), 2, [16, 3]))
 

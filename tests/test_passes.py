@@ -208,11 +208,14 @@ def test_lower_all_gather_into_c10d_with_copy_in():
     assert lower(graph_module.graph) == 1
     assert op_counts(graph_module.graph) == {"all_gather": 1, "wait": 1}
     (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-    (cat,) = gather.args[:1]
-    assert cat.target is aten.cat.default and gather.args[1:] == (WORLD, GROUP)
-    assert any(n.target is aten.constant_pad_nd.default for n in cat.args[0])  # the uneven shard is padded
+    (copy_in,) = gather.args[:1]
+    # [Note: the copy-in as one op]: the shards and their padded numels (the uneven bias shard is padded).
+    assert copy_in.target is fsdp.copy_in.default and gather.args[1:] == (WORLD, GROUP)
+    shard_w, shard_b, _ = graph_module.graph.find_nodes(op="placeholder")
+    assert copy_in.args == ([shard_w, shard_b], [12, 2], None)
+    assert not graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
     # The lowered chain keeps the group's annotation and recompute tag.
-    for node in (gather, *cat.args[0], cat, next(iter(gather.users))):
+    for node in (gather, copy_in, next(iter(gather.users))):
         assert node.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE
         assert group_annotation(node).name == "blocks.0"
     verify(graph_module.graph)
@@ -229,6 +232,26 @@ def test_lower_saved_gather_saves_only_the_wait():
     assert "recompute" not in gather.meta and "recompute" not in gather.args[0].meta
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_a_single_shard_that_needs_no_copy_to_its_flat_view(dtype):
+    """No copy-in for a group of one even shard in its own dtype; mixed precision's cast is one."""
+
+    def fn(shard, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard], [8], WORLD, GROUP, param_dtype=dtype)
+        return x @ gathered.view(-1, 4).to(x.dtype).t()
+
+    graph_module = trace(fn, torch.randn(2, 4), torch.randn(3, 4))
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    assert lower(graph_module.graph) == 1
+    (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    (shard, _) = graph_module.graph.find_nodes(op="placeholder")
+    if dtype == torch.float32:
+        assert gather.args[0].target is aten.reshape.default and gather.args[0].args == (shard, [-1])
+    else:
+        assert gather.args[0].target is fsdp.copy_in.default and gather.args[0].args == ([shard], [8], dtype)
+    verify(graph_module.graph)
+
+
 def test_lower_a_group_of_one_rank_to_its_copy_in_without_a_collective():
     """[Note: a group of one rank]: the gathered parameters are the copy-in, saved when the group keeps them."""
 
@@ -242,9 +265,8 @@ def test_lower_a_group_of_one_rank_to_its_copy_in_without_a_collective():
     reshard(graph_module.graph)
     assert lower(graph_module.graph) == 1
     assert op_counts(graph_module.graph) == {}
-    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
-    assert cat.meta["recompute"] is CheckpointPolicy.MUST_SAVE
-    assert all("recompute" not in piece.meta for piece in cat.args[0])
+    (copy_in,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.copy_in.default)
+    assert copy_in.meta["recompute"] is CheckpointPolicy.MUST_SAVE
     shards = (torch.randn(2, 4), torch.randn(1), torch.randn(2, 3))
     torch.testing.assert_close(graph_module(*shards), fn(*shards), rtol=0, atol=0)
     verify(graph_module.graph)
@@ -354,7 +376,7 @@ def test_lower_replaces_autograds_padding_and_concatenation_with_one_reduction_i
     verify(graph_module.graph)
 
 
-def test_lower_casts_each_shard_in_the_copy_in_under_mixed_precision():
+def test_lower_casts_the_shards_in_the_copy_in_under_mixed_precision():
     def fn(shard_w, shard_b, x):
         gathered = torch.ops.fsdp.all_gather_into(
             [shard_w, shard_b], [12, 2], WORLD, GROUP, param_dtype=torch.bfloat16
@@ -365,9 +387,9 @@ def test_lower_casts_each_shard_in_the_copy_in_under_mixed_precision():
     lower(graph_module.graph)
     (gather,) = graph_module.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
     assert gather.meta["val"].dtype == torch.bfloat16
-    casts = graph_module.graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
     shards = graph_module.graph.find_nodes(op="placeholder")[:2]
-    assert [cast.args for cast in casts] == [(shard, torch.bfloat16) for shard in shards]
+    assert gather.args[0].target is fsdp.copy_in.default
+    assert gather.args[0].args == (shards, [12, 2], torch.bfloat16)
     verify(graph_module.graph)
 
 
@@ -433,7 +455,7 @@ def test_lower_gives_a_custom_comm_its_own_collectives_each_with_a_wait():
         "wait": 2,
     }
     (gather,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.all_gather_with_comm.default)
-    assert gather.args[0].target is aten.cat.default and gather.args[1:] == (WORLD, GROUP, "ag")
+    assert gather.args[0].target is fsdp.copy_in.default and gather.args[1:] == (WORLD, GROUP, "ag")
     (scatter,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_with_comm.default)
     assert scatter.args[1:] == (WORLD, GROUP, "avg", "rs")
     assert not graph_module.graph.find_nodes(op="call_function", target=aten.div.Tensor)
@@ -476,7 +498,7 @@ def _gloo_lowering_computes_the_same(rank, world_size):
         gathered = torch.ops.fsdp.all_gather_into([shard], [6], world_size, group_name)
         return gathered, torch.ops.fsdp.reduce_scatter_grad(grad, world_size, group_name, "avg")
 
-    shard, grad = torch.randn(rank + 1, 3), torch.randn(world_size * 4) * (rank + 1)
+    shard, grad = torch.randn(min(rank + 1, 2), 3), torch.randn(world_size * 4) * (rank + 1)  # uneven shards
     graph_module = make_fx_real(fn, shard, grad)
     expected = graph_module(shard, grad)
     lower(graph_module.graph)
@@ -646,12 +668,11 @@ def test_unused_params_reads_the_reduction_input_of_as_gathered(bias_used):
 
 
 def _copy_out_concatenation(graph_module):
-    """Runs ``copy_out``; returns its ``cat`` (the copy-in's ``cat`` feeds the all-gather, this one slices)."""
+    """Runs ``copy_out``; returns its ``cat``."""
     from compile_shard.passes import copy_out
 
     assert copy_out(graph_module.graph) == 1
-    cats = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
-    (cat,) = [node for node in cats if all(user.target is aten.slice.Tensor for user in node.users)]
+    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
     return cat
 
 
@@ -956,7 +977,7 @@ def test_place_moves_the_gather_chain_next_to_its_first_reader():
     assert nodes.index(relu) < nodes.index(gather) < nodes.index(matmul)
     # Between the compute before and the first reader: only the chain (copy-in, collective, copy-out).
     chain = nodes[nodes.index(relu) + 1 : nodes.index(matmul)]
-    copy_in = {aten.reshape.default, aten.constant_pad_nd.default, aten.cat.default}
+    copy_in = {fsdp.copy_in.default}
     collective = {c10d.all_gather_into_tensor.default, c10d.wait_tensor.default}
     assert {n.target for n in chain} <= copy_in | collective | _chain_targets()
     verify(graph_module.graph)

@@ -176,8 +176,10 @@ def test_bucket_merges_mixed_precision_gathers_with_their_cast_and_keeps_other_w
     verify(graph)
     lowered = graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
     assert sorted(str(node.meta["val"].dtype) for node in lowered) == ["torch.bfloat16", "torch.float32"]
-    casts = graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
-    assert [cast.args[0].op for cast in casts] == ["placeholder", "placeholder"]  # the bucket's two fp32 shards
+    copy_ins = graph.find_nodes(op="call_function", target=fsdp.copy_in.default)
+    # The bucket's two fp32 shards, cast in one copy-in; the fp32 group's one shard needs no copy.
+    assert [[shard.op for shard in node.args[0]] for node in copy_ins] == [["placeholder", "placeholder"]]
+    assert copy_ins[0].args[2] == torch.bfloat16
 
 
 def _gather_and_reduce(s0, s1, g0, g1, x):
@@ -663,7 +665,7 @@ def test_gather_buffers_on_gloo_exchanges_shards_and_gradients_in_place(monkeypa
     verify(graph)
     shard_w, shard_b, _, grad_w, grad_b = graph.find_nodes(op="placeholder")
     # No copy-in, copy-out or reduction input is left: [Note: gloo exchange in place].
-    copies = (aten.clone.default, aten.cat.default, aten.constant_pad_nd.default, fsdp.reduce_scatter_input.default)
+    copies = (aten.clone.default, aten.cat.default, fsdp.copy_in.default, fsdp.reduce_scatter_input.default)
     for target in copies:
         assert not graph.find_nodes(op="call_function", target=target), target
     (gather,) = graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
@@ -687,6 +689,31 @@ def test_gather_buffers_on_gloo_exchanges_shards_and_gradients_in_place(monkeypa
     after = simulate(graph, get_profile("cpu_gloo"))
     assert after.peak_memory_bytes < before.peak_memory_bytes
     assert after.step_seconds < before.step_seconds
+
+
+def test_gather_buffers_on_gloo_exchanges_mixed_precision_shards_cast(monkeypatch):
+    """The copy-in casts to bf16 (``param_dtype``): the exchange sends each shard cast, and only what it casts."""
+    _gather_on_gloo(monkeypatch)
+
+    def fn(shard_w, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_b], [12, 3], WORLD, GROUP, param_dtype=torch.bfloat16)
+        per_rank_w, per_rank_b = gathered.view(WORLD, -1).split([12, 3], dim=1)
+        weight = per_rank_w.clone().view(-1, 4)[:5]
+        bias = per_rank_b.clone().view(-1)[:5]
+        return x @ weight.t().float() + bias.float()
+
+    shard_w, _, x = _in_place_inputs(0, WORLD)[:3]
+    graph_module = _lowered_with_copy_out(fn, (shard_w, torch.randn(3, dtype=torch.bfloat16), x))
+    graph = graph_module.graph
+    assert gather_buffers(graph) == 1
+    verify(graph)
+    assert not graph.find_nodes(op="call_function", target=fsdp.copy_in.default)
+    (gather,) = graph.find_nodes(op="call_function", target=fsdp.all_gather_params_.default)
+    (cast, bf16_shard) = gather.args[1]
+    shard_w_node, shard_b_node, _ = graph.find_nodes(op="placeholder")
+    assert cast.target is torch.ops.prims.convert_element_type.default and cast.args == (shard_w_node, torch.bfloat16)
+    assert bf16_shard is shard_b_node
+    assert gather.args[0].meta["val"].dtype == torch.bfloat16
 
 
 def test_gather_buffers_keeps_the_copies_of_a_gather_whose_buffer_is_saved(monkeypatch):

@@ -52,6 +52,7 @@ from .all_gather import (
     as_gathered,
     as_gathered_views,
     call_all_reduce_hook_,
+    copy_in,
     copy_out,
     post_forward_chunk,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "bind",
     "RankMismatchError",
     "call_all_reduce_hook_",
+    "copy_in",
     "copy_out",
     "new_name",
     "post_forward_chunk",

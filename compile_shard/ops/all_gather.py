@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .backend import gathers_by_send_recv
@@ -46,37 +45,58 @@ _lib.define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
 _lib.define("all_gather_with_comm(Tensor all_gather_input, SymInt world_size, str group_name, str comm) -> Tensor")
 _lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
 _lib.define("copy_out(Tensor all_gather_output, SymInt world_size, SymInt[] padded_numels) -> Tensor[]")
+_lib.define("copy_in(Tensor[] shards, SymInt[] padded_numels, ScalarType? dtype=None) -> Tensor")
 _lib.define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
     "SymInt world_size, str group_name) -> ()"
 )
 
 
-def _copy_in(
-    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], param_dtype: torch.dtype | None
-) -> torch.Tensor:
-    """Casts to ``param_dtype``, flattens, pads and concatenates one rank's shards: the all-gather input."""
-    if param_dtype is not None:
-        shards = [shard.to(param_dtype) for shard in shards]
-    return torch.cat(
-        [F.pad(shard.reshape(-1), (0, numel - shard.numel())) for shard, numel in zip(shards, padded_numels)]
-    )
-
-
 def _check_shards(
-    shards: Sequence[torch.Tensor], padded_numels: Sequence[int], param_dtype: torch.dtype | None = None
+    shards: Sequence[torch.Tensor],
+    padded_numels: Sequence[int],
+    param_dtype: torch.dtype | None = None,
+    op_name: str = "all_gather_into",
 ) -> None:
     """Shards of one dtype, or of any with a ``param_dtype`` to cast them all to."""
-    torch._check(len(shards) > 0, lambda: "fsdp::all_gather_into needs at least one shard")
+    torch._check(len(shards) > 0, lambda: f"fsdp::{op_name} needs at least one shard")
     torch._check(
         len(shards) == len(padded_numels),
-        lambda: f"fsdp::all_gather_into got {len(shards)} shards but {len(padded_numels)} padded numels",
+        lambda: f"fsdp::{op_name} got {len(shards)} shards but {len(padded_numels)} padded numels",
     )
     dtypes = {shard.dtype for shard in shards}
     torch._check(
         len(dtypes) == 1 or param_dtype is not None,
-        lambda: f"fsdp::all_gather_into needs one dtype or a param_dtype, got {sorted(map(str, dtypes))}",
+        lambda: f"fsdp::{op_name} needs one dtype or a param_dtype, got {sorted(map(str, dtypes))}",
     )
+
+
+# copy_in -----------------------------------------------------------------------------
+# [Note: the copy-in as one op]
+# One rank's all-gather input: each shard flattened, cast to the all-gather's dtype
+# (``dtype``; mixed precision's ``param_dtype``), zero-padded to its padded numel and
+# concatenated (FSDP2's ``foreach_all_gather`` copy-in). The ``lower`` pass writes it as
+# this op rather than as casts, pads and a ``cat``: left as aten ops, Inductor generated
+# a C++ kernel per copy-in shape and position, fused with whatever kernel ran next to
+# it (the root's embedding, the last op of an inlined block), several distinct
+# kernels per step to compile for a copy that runs at memory speed either way
+# (docs/benchmarks.md, "The cold step"). As one op it is one extern call per group, as
+# ``fsdp.copy_out`` and ``fsdp.reduce_scatter_input`` are.
+
+
+def _copy_in_kernel(shards, padded_numels, dtype=None):
+    _check_shards(shards, padded_numels, dtype, op_name="copy_in")
+    output = shards[0].new_empty(sum(padded_numels), dtype=dtype or shards[0].dtype)
+    for shard, padded in zip(shards, output.split(list(padded_numels))):
+        numel = shard.numel()
+        padded[:numel].copy_(shard.reshape(-1))
+        padded[numel:].zero_()
+    return output
+
+
+def _copy_in_meta(shards, padded_numels, dtype=None):
+    _check_shards(shards, padded_numels, dtype, op_name="copy_in")
+    return shards[0].new_empty(sum(padded_numels), dtype=dtype or shards[0].dtype)
 
 
 # all_gather_into ---------------------------------------------------------------------
@@ -105,7 +125,7 @@ class _Options:
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
     options = _Options(*options)
     _check_shards(shards, padded_numels, options.param_dtype)
-    all_gather_input = _copy_in(shards, padded_numels, options.param_dtype)
+    all_gather_input = _copy_in_kernel(shards, padded_numels, options.param_dtype)
     funcol = torch.ops._c10d_functional
     if options.all_gather_comm is not None:  # [Note: custom collectives]
         all_gather_output = torch.ops.fsdp.all_gather_with_comm(
@@ -535,6 +555,7 @@ register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_pa
 register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
 register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward_chunk_meta)
 register_kernels("copy_out", _copy_out_kernel, _copy_out_meta)
+register_kernels("copy_in", _copy_in_kernel, _copy_in_meta)
 
 torch.library.register_autograd(
     "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
@@ -552,3 +573,4 @@ all_gather_with_comm = torch.ops.fsdp.all_gather_with_comm.default
 call_all_reduce_hook_ = torch.ops.fsdp.call_all_reduce_hook_.default
 post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default
 copy_out = torch.ops.fsdp.copy_out.default
+copy_in = torch.ops.fsdp.copy_in.default
