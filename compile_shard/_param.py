@@ -21,7 +21,7 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   reads a copy of the shard on the mesh's device ([Note: CPU offload]).
 - all-gather input: one group's shards cast to the wire dtype, flattened, padded to
   ``padded_rows`` and concatenated (the copy-in), inside ``fsdp::all_gather_into`` or,
-  after ``lower``, in the graph.
+  after ``lower``, one ``fsdp::copy_in`` in the graph.
 - wire dtype: what a parameter is all-gathered and computed in, the mixed-precision
   policy's ``param_dtype`` for a floating-point parameter, else its own dtype. A
   group gathers each wire dtype in one all-gather, an all-gather part

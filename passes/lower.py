@@ -22,7 +22,6 @@ the ``fsdp`` node it replaces.
 
 from __future__ import annotations
 
-
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
