@@ -76,7 +76,8 @@ def _tails(result: subprocess.CompletedProcess) -> str:
         by_source.setdefault(f"rank {match.group(1)}" if match else "torchrun", []).append(line)
     parts = [f"--- stdout (tail) ---\n{result.stdout[-3000:]}"]
     for source, lines in sorted(by_source.items()):
-        parts.append(f"--- stderr of {source} (tail) ---\n{chr(10).join(lines)[-4000:]}")
+        tail = "\n".join(lines)[-4000:]
+        parts.append(f"--- stderr of {source} (tail) ---\n{tail}")
     return "\n".join(parts)
 
 
