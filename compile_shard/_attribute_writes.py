@@ -84,9 +84,10 @@ class CountsWrites:
         owners = self.__dict__.get(_OWNERS_ATTR)
         if owners is None or not _changes_what_guards_miss(before, after):
             return
+        submodule_changed = isinstance(before, torch.nn.Module) or isinstance(after, torch.nn.Module)
         for owner in owners:
             owner.region_writes += 1
-            if isinstance(before, torch.nn.Module) or isinstance(after, torch.nn.Module):
+            if submodule_changed:
                 owner.region_changed()
 
 
