@@ -63,8 +63,8 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 The passes add three words for sets of nodes: a group's *copy-out chain* (the
 copy-out's nodes, ``passes.patterns.copy_out_chain``), its all-gather or reduction
 *unit* (copy-in, collective, wait and copy-out, or the reduction's input, collective,
-wait and division: what ``reorder`` moves as one), and a bucket's *members* (the groups
-it merged).
+wait and what reads the wait, gloo's sum or a forced sum's division: what ``reorder``
+moves as one), and a bucket's *members* (the groups it merged).
 """
 
 from __future__ import annotations

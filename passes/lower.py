@@ -1,23 +1,22 @@
 """lower: replace ``fsdp`` collectives with ``_c10d_functional`` collectives, ``wait_tensor`` and explicit copy-in.
 
 Inductor buckets, reorders and overlaps only its own collective IR; an ``fsdp`` custom
-op would reach it as an opaque synchronous fallback. After this pass the collectives
-are the ones Inductor understands, and the averaging division is a plain aten op it
-fuses. The copy-in (flatten, cast, pad, concatenate) becomes one ``fsdp.copy_in``,
-which Inductor does not fuse on purpose ([Note: the copy-in as one op] in
-``compile_shard.ops.all_gather``); a group of one shard that needs no cast or padding
-all-gathers the shard's flat view. A reduction's input,
-which autograd built from the gradients as padding, views and a ``cat``, becomes one
-``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse on purpose
-([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a gradient
-reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and averages
-([Note: gloo reduce-scatter] in ``compile_shard.ops``), and a float8 all-gather
-travels as ``uint8`` views (``gathers_as_bytes``). A group with a custom
-all-gather or reduce-scatter gets ``fsdp.all_gather_with_comm`` or
-``fsdp.reduce_scatter_with_comm`` and a wait instead of the c10d collective ([Note:
-custom collectives] in ``compile_shard.ops.all_gather``). Every new node inherits the replaced node's metadata (group
-annotation, recompute tags), so the partitioner treats the lowered chain exactly as
-the ``fsdp`` node it replaces.
+op would reach it as an opaque synchronous fallback. After this pass the collectives are
+the ones Inductor understands, averaging in the collective as FSDP2 does. The copy-in
+(flatten, cast, pad, concatenate) becomes one ``fsdp.copy_in``, which Inductor does not
+fuse on purpose ([Note: the copy-in as one op] in ``compile_shard.ops.all_gather``); a
+group of one shard that needs no cast or padding all-gathers the shard's flat view. A
+reduction's input, which autograd built from the gradients as padding, views and a
+``cat``, becomes one ``fsdp.reduce_scatter_input`` instead, which Inductor does not fuse
+on purpose ([Note: one reduction input per group] in ``compile_shard.ops``). On gloo a
+gradient reduction becomes an all-to-all and ``fsdp.sum_shards``, which sums and
+averages ([Note: gloo reduce-scatter] in ``compile_shard.ops``), and a float8 all-gather
+travels as ``uint8`` views (``gathers_as_bytes``). A group with a custom all-gather or
+reduce-scatter gets ``fsdp.all_gather_with_comm`` or ``fsdp.reduce_scatter_with_comm``
+and a wait instead of the c10d collective ([Note: custom collectives] in
+``compile_shard.ops.all_gather``). Every new node inherits the replaced node's metadata
+(group annotation, recompute tags), so the partitioner treats the lowered chain exactly
+as the ``fsdp`` node it replaces.
 """
 
 from __future__ import annotations
@@ -193,10 +192,8 @@ def _lower_reduce_scatter(graph: fx.Graph, node: fx.Node) -> None:
         received = insert(c10d.wait_tensor.default, received)
         sharded_grad = insert(fsdp.sum_shards.default, received, world_size, reduce_op)
     else:
-        reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, "sum", world_size, group_name)
+        reduced = insert(c10d.reduce_scatter_tensor.default, unsharded_grad, reduce_op, world_size, group_name)
         sharded_grad = insert(c10d.wait_tensor.default, reduced)
-        if reduce_op == "avg":
-            sharded_grad = insert(aten.div.Tensor, sharded_grad, world_size)
     node.replace_all_uses_with(sharded_grad)
     graph.erase_node(node)
     if gradients is not None:

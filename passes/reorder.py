@@ -4,8 +4,8 @@ Runs on the partitioned forward and backward graphs (the partitioner decides whe
 backward's recomputed gathers and gradient reductions go, so scheduling them on the
 joint graph would be undone). It sees *units*: a gather unit is a group's copy-in,
 all-gather, wait and copy-out; a reduce unit is a group's gradient copy-in,
-reduce-scatter, wait and the division after it. Everything else is compute, kept in
-its order.
+reduce-scatter, wait and what reads the wait (``fsdp.sum_shards``, a division).
+Everything else is compute, kept in its order.
 
 [Note: the schedule]
 Gather units are numbered in the order the graph first reads them (forward order in
@@ -18,7 +18,7 @@ wait and copy-out stay right before its first reader. A group's
 prefetching group's wait. A reduce unit is issued as soon as its last gradient is
 computed; its wait goes right after the next ``reduce_scatter_depth``-th reduce unit
 is issued (the last ones at the end), so that many reductions are in flight while
-backward computes; the division (or sum) that reads the wait follows it at once. On
+backward computes; what reads the wait (gloo's sum, a division) follows it at once. On
 HSDP the replicate all-reduce of the reduced gradient is issued right after that and
 waited with the reduce-scatter ``reduce_scatter_depth`` units later. All
 of it is one priority-ordered topological sort (``reorder_by_priority``), so data
@@ -154,7 +154,7 @@ def _reduce_priorities(graph, position, depth: int) -> dict[fx.Node, float]:
 
 
 def _reduced(unit: _Unit) -> list[fx.Node]:
-    """The group's nodes that read the reduction's wait: the division, or ``fsdp.sum_shards`` on gloo.
+    """The group's nodes that read the reduction's wait: ``fsdp.sum_shards`` on gloo, a division, the gradients' views.
 
     The partitioner leaves them where the gradients are returned, at the end of the
     backward, which would keep every group's unsharded reduction buffer alive until
@@ -165,7 +165,7 @@ def _reduced(unit: _Unit) -> list[fx.Node]:
 
 def _all_reduces(unit: _Unit) -> list[fx.Node]:
     """HSDP's all-reduces of the unit's reduced gradient ([Note: HSDP reduction] in compile_shard.ops)."""
-    reduced = _reduced(unit) or [unit.wait]
+    reduced = [unit.wait, *_reduced(unit)]
     return [
         user
         for node in reduced

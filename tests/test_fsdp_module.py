@@ -160,9 +160,10 @@ def test_a_new_divide_factor_recompiles(fake_pg):
     for param in model.parameters():
         param.grad = None
     lm_loss(compiled, tokens).backward()
-    # The fake process group's reduce-scatter returns the input's rows: averaging
-    # divided them by 2, a factor of 0.5 multiplies them by 2.
-    torch.testing.assert_close(model.layers[0].attention.wq.weight.grad.to_local(), 4 * before)
+    # The fake process group's reduce-scatter returns the input's rows whatever its op:
+    # averaging (in the collective) leaves them as they are, a factor of 0.5 multiplies
+    # them by 2 before the sum.
+    torch.testing.assert_close(model.layers[0].attention.wq.weight.grad.to_local(), 2 * before)
 
 
 # Forward methods, async unshard, recovery -------------------------------------------------

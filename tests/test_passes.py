@@ -286,8 +286,8 @@ def test_lower_reduce_scatter_over_one_rank_to_its_input(reduce_op):
     torch.testing.assert_close(graph_module(grad), grad.reshape(-1), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("reduce_op, divides", [("avg", True), ("sum", False)])
-def test_lower_reduce_scatter(reduce_op, divides):
+@pytest.mark.parametrize("reduce_op", ["avg", "sum"])
+def test_lower_reduce_scatter_reduces_with_fsdp2s_op_and_divides_nothing_after(reduce_op):
     def fn(grad):
         return torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, reduce_op)
 
@@ -295,8 +295,9 @@ def test_lower_reduce_scatter(reduce_op, divides):
     assert lower(graph_module.graph) == 1
     assert op_counts(graph_module.graph) == {"reduce_scatter": 1, "wait": 1}
     (scatter,) = graph_module.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-    assert scatter.args[1:] == ("sum", WORLD, GROUP)
-    assert any(n.target is aten.div.Tensor for n in graph_module.graph.nodes) == divides
+    assert scatter.args[1:] == (reduce_op, WORLD, GROUP)
+    (wait,) = scatter.users
+    assert graph_module.graph.find_nodes(op="output")[0].all_input_nodes == [wait]
 
 
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])

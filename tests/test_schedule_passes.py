@@ -367,13 +367,26 @@ def test_schedule_honours_explicit_forward_prefetch():
     assert position["c.all_gather_into_tensor"] < position["a.wait_tensor"] < position["b.all_gather_into_tensor"]
 
 
-def _backward_like(g_a, g_b, g_c, x):
-    """Three gradients computed one after another, each reduce-scattered."""
+def _reduced_one_after_another(g_a, g_b, g_c, x, reduce):
     grads, h = [], x
     for g in (g_c, g_b, g_a):
         h = (h @ g.t()).tanh() @ g
-        grads.append(torch.ops.fsdp.reduce_scatter_grad((g * h.sum()).reshape(-1), WORLD, GROUP, "avg"))
+        grads.append(reduce((g * h.sum()).reshape(-1)))
     return grads
+
+
+def _backward_like(g_a, g_b, g_c, x):
+    """Three gradients computed one after another, each reduce-scattered."""
+    return _reduced_one_after_another(
+        g_a, g_b, g_c, x, lambda grad: torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, "avg")
+    )
+
+
+def _backward_like_dividing_after(g_a, g_b, g_c, x):
+    """``_backward_like`` summing each gradient and dividing after, as ``set_force_sum_reduction_for_comms``."""
+    return _reduced_one_after_another(
+        g_a, g_b, g_c, x, lambda grad: torch.ops.fsdp.reduce_scatter_grad(grad, WORLD, GROUP, "sum") / WORLD
+    )
 
 
 @pytest.mark.parametrize("by_all_to_all", [False, True], ids=["reduce_scatter", "all_to_all"])
@@ -382,12 +395,15 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_
     lower_module = importlib.import_module("compile_shard.passes.lower")
     monkeypatch.setattr(lower_module, "reduces_by_all_to_all", lambda *_: by_all_to_all)
     reduction = c10d.all_to_all_single.default if by_all_to_all else c10d.reduce_scatter_tensor.default
-    graph_module = trace(_backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
+    backward_like = _backward_like if by_all_to_all else _backward_like_dividing_after
+    graph_module = trace(backward_like, *[torch.randn(6, 4) for _ in range(3)], torch.randn(2, 4))
     graph = graph_module.graph
     _annotate_reductions(graph, ["c", "b", "a"])
-    for node in graph.nodes:  # the gradient copy-in belongs to its group
+    for node in graph.nodes:  # the gradient copy-in and the division belong to their group
         if node.target is aten.view.default and next(iter(node.users)).target is fsdp.reduce_scatter_grad.default:
             node.meta["custom"] = next(iter(node.users)).meta["custom"]
+        if node.target is aten.div.Tensor:
+            node.meta["custom"] = node.args[0].meta["custom"]
     lower(graph)
     # Move every reduction to the end, as the partitioner leaves them.
     output = graph.find_nodes(op="output")[0]
@@ -408,6 +424,7 @@ def test_schedule_issues_reduce_scatters_early_and_waits_one_reduction_later(by_
     # The division (gloo: fsdp.sum_shards) follows its wait at once and frees the reduction's buffer.
     for wait in graph.find_nodes(op="call_function", target=c10d.wait_tensor.default):
         (reduced,) = wait.users
+        assert reduced.target is (fsdp.sum_shards.default if by_all_to_all else aten.div.Tensor)
         assert reduced.prev is wait, (wait.name, reduced.name)
 
 
@@ -435,15 +452,18 @@ def test_schedule_overlaps_hsdp_all_reduces_like_the_reduce_scatters():
     verify(graph)
     all_reduces = _position(graph, _is(c10d.all_reduce.default))
     reduce_scatters = _position(graph, _is(c10d.reduce_scatter_tensor.default))
-    divisions = _position(graph, _is(aten.div.Tensor))
     tanhs = _position(graph, _is(aten.tanh.default))
-    all_reduce_waits = [
-        index for index, node in enumerate(graph.nodes) if node.target is c10d.wait_tensor.default
-        and node.args[0].target is c10d.all_reduce.default
+    waits = [
+        (index, node.args[0].target) for index, node in enumerate(graph.nodes)
+        if node.target is c10d.wait_tensor.default
     ]  # fmt: skip
-    # All-reduce k follows its division at once (the last one, with nothing left to hide behind, at the
-    # end) and is waited after reduce-scatter k+2 is issued: the first runs behind the last gradient's compute.
-    assert [index - 1 for index in all_reduces[:2]] == divisions[:2] and all_reduces[2] > divisions[2]
+    reduce_scatter_waits = [index for index, waited in waits if waited is c10d.reduce_scatter_tensor.default]
+    all_reduce_waits = [index for index, waited in waits if waited is c10d.all_reduce.default]
+    # All-reduce k follows its reduce-scatter's wait at once (the last one, with nothing left to hide behind,
+    # at the end) and is waited after reduce-scatter k+2 is issued: the first runs behind the last gradient's
+    # compute.
+    assert [index - 1 for index in all_reduces[:2]] == reduce_scatter_waits[:2]
+    assert all_reduces[2] > reduce_scatter_waits[2]
     assert all_reduces[0] < tanhs[2] < all_reduce_waits[0]
     assert reduce_scatters[2] < all_reduce_waits[0]
     reorder(graph, reduce_scatter_depth=0)

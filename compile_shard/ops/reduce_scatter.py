@@ -73,12 +73,9 @@ def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_o
         split_sizes = [unsharded_grad.numel() // world_size] * world_size
         received = funcol.all_to_all_single(unsharded_grad.reshape(-1), split_sizes, split_sizes, group_name)
         return torch.ops.fsdp.sum_shards(funcol.wait_tensor(received), world_size, reduce_op)
-    # Reduce with a sum and divide after: gloo has no AVG, and NCCL's pre/post-divide
-    # choice belongs to the reduce-dtype work of mixed precision.
-    sharded_grad = funcol.wait_tensor(funcol.reduce_scatter_tensor(unsharded_grad, "sum", world_size, group_name))
-    if reduce_op == "avg":
-        sharded_grad = sharded_grad.div_(world_size)
-    return sharded_grad
+    # FSDP2's own call: the backend averages ("avg", which GradientReduction picks for
+    # fp32 and bf16), so no division runs after the collective.
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(unsharded_grad, reduce_op, world_size, group_name))
 
 
 def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg", comm=None):
