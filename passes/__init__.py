@@ -15,7 +15,8 @@ once: its function, its module, its switch in ``settings`` and its dump file.
 6. ``save_attention``: save zero-dropout attention that a checkpoint region would
    recompute (a torch 2.13 partitioner workaround).
 7. ``lower``: ``fsdp`` collectives become ``_c10d_functional`` collectives.
-8. ``copy_out``: each group's per-parameter copy-outs become one concatenation.
+8. ``copy_out``: each group's per-parameter copy-outs become one ``fsdp.copy_out``
+   (on gloo one concatenation, which ``gather_buffers`` replaces).
 9. ``place``: move each group's all-gather next to the forward's first use.
 
 ``verify`` checks the graph invariants after each of them and names the pass that

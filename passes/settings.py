@@ -40,7 +40,8 @@ class PassSettings:
     bucket_cap_mb: float | None = None
     #: Replace ``fsdp`` collectives with ``_c10d_functional`` collectives plus explicit copy-in.
     lower: bool = True
-    #: Make each group's copy-out one concatenation (one kernel in Inductor).
+    #: Make each group's copy-out one ``fsdp.copy_out`` (on gloo one concatenation); see
+    #: [Note: one copy-out per group].
     copy_out: bool = True
     #: Issue each group's all-gather right before the forward first reads it.
     place: bool = True

@@ -18,6 +18,7 @@ from compile_shard.passes import (
     verify,
     verify_forward,
 )
+from compile_shard.passes.patterns import only_user
 from graph_utils import annotate_group, c10d, fsdp, make_annotation, op_counts, trace
 
 aten = torch.ops.aten
@@ -668,19 +669,42 @@ def test_unused_params_reads_the_reduction_input_of_as_gathered(bias_used):
 # copy_out --------------------------------------------------------------------------
 
 
-def _copy_out_concatenation(graph_module):
-    """Runs ``copy_out``; returns its ``cat``."""
+def _on_gloo(monkeypatch, on_gloo=True):
+    copy_out_module = importlib.import_module("compile_shard.passes.copy_out")
+    monkeypatch.setattr(copy_out_module, "gathers_by_send_recv", lambda *_: on_gloo)
+
+
+def test_copy_out_makes_the_copies_one_fsdp_copy_out():
     from compile_shard.passes import copy_out
 
+    graph_module = _lowered_graph()
+    (wait,) = graph_module.graph.find_nodes(op="call_function", target=c10d.wait_tensor.default)
+    for clone in graph_module.graph.find_nodes(op="call_function", target=aten.clone.default):
+        clone.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE  # as reshard tags the copy-out
     assert copy_out(graph_module.graph) == 1
-    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
-    return cat
+    graph = graph_module.graph
+    # No clone, split or concatenation is left for Inductor to generate ([Note: one copy-out per group]).
+    for target in (aten.clone.default, aten.split_with_sizes.default, aten.cat.default, aten._unsafe_view.default):
+        assert not graph.find_nodes(op="call_function", target=target), target
+    (copied,) = graph.find_nodes(op="call_function", target=fsdp.copy_out.default)
+    assert copied.args == (wait, WORLD, [12, 2])
+    assert copied.meta["recompute"] is CheckpointPolicy.MUST_RECOMPUTE  # the clones' metadata
+    # The parameters are views of its outputs, in their own shapes.
+    outputs = sorted(copied.users, key=lambda item: item.args[1])
+    assert [item.target for item in outputs] == [operator.getitem] * 2
+    assert [tuple(only_user(item).meta["val"].shape) for item in outputs] == [(6, 4), (4,)]
+    verify(graph)
 
 
-def test_copy_out_concatenates_the_flattened_rank_major_clones():
+def test_copy_out_on_gloo_concatenates_the_flattened_rank_major_clones(monkeypatch):
+    from compile_shard.passes import copy_out
+
+    _on_gloo(monkeypatch)
     graph_module = _lowered_graph()
     assert len(graph_module.graph.find_nodes(op="call_function", target=aten._unsafe_view.default)) == 2
-    cat = _copy_out_concatenation(graph_module)
+    assert copy_out(graph_module.graph) == 1
+    assert not graph_module.graph.find_nodes(op="call_function", target=fsdp.copy_out.default)
+    (cat,) = graph_module.graph.find_nodes(op="call_function", target=aten.cat.default)
     # Each input flattens a [world_size, shard_numel] clone, not a parameter-shaped view
     # of it: Inductor's CPU backend vectorizes that index ([Note: one copy-out per group]).
     shapes = []
@@ -696,11 +720,28 @@ def test_copy_out_concatenates_the_flattened_rank_major_clones():
     verify(graph_module.graph)
 
 
-def _gloo_copy_out_computes_the_same(rank, world_size):
+def test_copy_out_leaves_a_group_of_one_parameter_alone():
+    from compile_shard.passes import copy_out
+
+    def fn(shard_w, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w], [12], WORLD, GROUP)
+        return x @ gathered.view(WORLD, -1).split([12], dim=1)[0].clone().view(-1, 4)[:6].t()
+
+    graph_module = trace(fn, torch.randn(3, 4), torch.randn(3, 4))
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    lower(graph_module.graph)
+    before = graph_module.print_readable(print_output=False)
+    assert copy_out(graph_module.graph) == 0
+    assert graph_module.print_readable(print_output=False) == before
+
+
+def _gloo_copy_out_computes_the_same(rank, world_size, on_gloo):
     import torch.distributed as dist
 
     from compile_shard.passes import copy_out
 
+    copy_out_module = importlib.import_module("compile_shard.passes.copy_out")
+    copy_out_module.gathers_by_send_recv = lambda *_: on_gloo  # this process's own module: the other form
     group_name = dist.group.WORLD.group_name
 
     def fn(shard_w, shard_b, x):
@@ -716,14 +757,17 @@ def _gloo_copy_out_computes_the_same(rank, world_size):
     graph_module.recompile()
     expected = graph_module(*inputs)
     assert copy_out(graph_module.graph) == 1
+    rewritten_as = aten.cat.default if on_gloo else fsdp.copy_out.default
+    assert graph_module.graph.find_nodes(op="call_function", target=rewritten_as)
     graph_module.recompile()
     assert torch.equal(graph_module(*inputs), expected)
 
 
-def test_copy_out_computes_what_the_per_parameter_copies_compute():
+@pytest.mark.parametrize("on_gloo", [True, False], ids=["concatenation", "fsdp_copy_out"])
+def test_copy_out_computes_what_the_per_parameter_copies_compute(on_gloo):
     from dist_utils import run_gloo
 
-    run_gloo(_gloo_copy_out_computes_the_same, 2)
+    run_gloo(_gloo_copy_out_computes_the_same, 2, on_gloo)
 
 
 # verify ----------------------------------------------------------------------------

@@ -458,8 +458,14 @@ def _check_copy_out(all_gather_output, world_size, padded_numels) -> None:
 
 def _copy_out_kernel(all_gather_output, world_size, padded_numels):
     _check_copy_out(all_gather_output, world_size, padded_numels)
-    columns = all_gather_output.view(world_size, -1).split(list(padded_numels), dim=1)
-    return [column.clone(memory_format=torch.contiguous_format).view(-1) for column in columns]
+    outputs = [all_gather_output.new_empty(world_size * numel) for numel in padded_numels]
+    torch.split_with_sizes_copy(  # one kernel for all columns on CUDA, as in FSDP2
+        all_gather_output.view(world_size, -1),
+        list(padded_numels),
+        dim=1,
+        out=[output.view(world_size, numel) for output, numel in zip(outputs, padded_numels)],
+    )
+    return outputs
 
 
 def _copy_out_meta(all_gather_output, world_size, padded_numels):
