@@ -12,12 +12,29 @@ gradients up to the reduce-scatter. ``GroupAnnotation`` is that record. It is st
 in ``node.meta["custom"]`` as a plain dict (torch copies and caches node metadata,
 so it holds only builtin values), written by ``write_group_annotation`` or
 ``annotating_group`` (with ``group_metadata``) and read by ``group_annotation`` alone.
+
+[Note: what the trace records for reuse_first_blocks]
+``passes.reuse_first_blocks`` swaps the inlined first block of each reuse key for a
+call of the region body its later blocks call ([Note: the first block calls its
+region after Dynamo]). Nothing in Dynamo's graph tells which nodes were that block,
+what it took for each region argument, or which of a body's call operands is which
+argument, so ``_region`` notes them while Dynamo traces: ``InlinedFirstBlock`` per
+inlined first block (``note_inlined_first_block``), and per region body its key and,
+per argument leaf, the caller's node the call it was traced for passed
+(``note_region_body``; the body lifts what it reads as placeholders of its own, in
+the order it reads them, and that call passes the caller's nodes in their place).
+They hold nodes, so they live beside the graph, not in its metadata: weakly keyed by
+the graph object, which Dynamo hands to the backend and Inductor's pre-grad hook
+unchanged. A graph that was copied, or a trace Dynamo restarted, finds none of them,
+and its first blocks stay inlined.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -103,3 +120,39 @@ def annotating_group(metadata: dict) -> contextlib.AbstractContextManager[None]:
     return torch.fx.traceback.annotate(metadata)
 
 
+@dataclasses.dataclass
+class InlinedFirstBlock:
+    """A first block of its reuse key that ran inlined in Dynamo's graph ([Note: what the trace records for
+    reuse_first_blocks])."""
+
+    #: Its reuse key: the later blocks with this key call one region body.
+    key: int
+    #: Per leaf of its region arguments: the node, or the plain value.
+    inputs: list[Any]
+    #: The nodes of the tensors its forward returned, in order.
+    outputs: list[fx.Node]
+    #: Its own nodes, its copy-out included, in graph order.
+    nodes: list[fx.Node]
+
+
+_INLINED_FIRST_BLOCKS: weakref.WeakKeyDictionary[fx.Graph, list[InlinedFirstBlock]] = weakref.WeakKeyDictionary()
+_REGION_BODIES: weakref.WeakKeyDictionary[fx.Graph, tuple[int, list[fx.Node | None]]] = weakref.WeakKeyDictionary()
+
+
+def note_inlined_first_block(graph: fx.Graph, block: InlinedFirstBlock) -> None:
+    _INLINED_FIRST_BLOCKS.setdefault(graph, []).append(block)
+
+
+def note_region_body(graph: fx.Graph, key: int, leaf_nodes: list[fx.Node | None]) -> None:
+    """``graph``: the body's; ``leaf_nodes``: per argument leaf, the caller's node (None for a plain value)."""
+    _REGION_BODIES[graph] = (key, leaf_nodes)
+
+
+def inlined_first_blocks(graph: fx.Graph) -> list[InlinedFirstBlock]:
+    """The first blocks that ran inlined in ``graph``, Dynamo's graph as the backend receives it."""
+    return _INLINED_FIRST_BLOCKS.get(graph, [])
+
+
+def region_body(graph: fx.Graph) -> tuple[int, list[fx.Node | None]] | None:
+    """The key a region body's ``graph`` was traced for and the caller's node of each argument leaf; or None."""
+    return _REGION_BODIES.get(graph)

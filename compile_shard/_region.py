@@ -64,15 +64,23 @@ that reads other attributes on its path has another key, and runs inlined first.
 graph break in any block's forward happens where Dynamo can split the graph, as
 without regions: inside a region torch 2.13 raises ``UncapturedHigherOrderOpError``
 instead, and without nested graph breaks Dynamo resumes after the block's call, where
-the next block is the first of the new trace. And the first block's backward is
-ordinary ops again: its weight gradients, and so its reduce-scatter, come before the
-matmuls for its input gradient, which hide that reduce-scatter, where a region returns
-both gradients together and leaves only the embedding's backward to hide it (the
-simulated schedules are in docs/benchmarks.md). The cost is one block's ops per key in
-the outer graph for Inductor to lower; blocks whose keys all differ (a ``scale`` per
-layer that the forward reads) all run inlined, as without regions. A symbolic number
-the inlined block read would reach the later bodies from the caller's graph, which
-torch 2.13 cannot take: those blocks run inlined (``_learn_from_first_block``).
+the next block is the first of the new trace. Blocks whose keys all differ (a
+``scale`` per layer that the forward reads) all run inlined, as without regions. A
+symbolic number the inlined block read would reach the later bodies from the caller's
+graph, which torch 2.13 cannot take: those blocks run inlined
+(``_learn_from_first_block``).
+
+Past Dynamo the inlined block is one block's ops per key that Inductor lowers and
+compiles apart from the body. Its backward is ordinary ops too: its weight gradients,
+and so its reduce-scatter, come before the matmuls for its input gradient, which hide
+that reduce-scatter, where a region returns both gradients together and leaves only
+the root's backward to hide it, as in FSDP2's eager step (the simulated schedules are
+in docs/benchmarks.md). Where nothing overlaps communication anyway (the ``cpu_gloo``
+cost profile, by default) ``passes.reuse_first_blocks`` makes the block call the body
+its later blocks call once Dynamo is done ([Note: the first block calls its region
+after Dynamo]), from what ``_record_first_block`` and ``_record_body`` note while
+Dynamo traces ([Note: what the trace records for reuse_first_blocks] in
+``_annotation``).
 
 [Note: a reused region replays no Python side effects]
 A reused call stamps out the traced subgraph: it runs the tensor computation of the
@@ -157,6 +165,7 @@ from torch._dynamo.variables.base import (
 from torch._dynamo.variables.tensor import TensorVariable
 
 from . import _invoke_subgraph
+from ._annotation import InlinedFirstBlock, note_inlined_first_block, note_region_body
 from ._attribute_writes import PLAIN
 from ._param import FSDPParam
 from ._versions import REGIONS_SUPPORTED, SYMBOLIC_NUMBERS_LOOK_PLAIN
@@ -425,6 +434,8 @@ def _run_block(module: nn.Module, key: int, num_params: int, gathered: bool, lay
     ``key`` is there for the reuse key only.
     """
     group = module._compile_shard_state.group
+    if torch.compiler.is_compiling():
+        _read_at_trace_time(_record_body, (key, *flat))
     inputs, args, kwargs = _region_arguments(num_params, layout, flat)
     unsharded_params = group.copy_out_in_region(list(inputs)) if gathered else inputs
     for fsdp_param, tensor in zip(group.fsdp_params, unsharded_params):
@@ -604,9 +615,21 @@ def _symbolic_numbers(tracer: Any) -> dict[Any, str]:
     return numbers
 
 
-#: Per ``_start_first_block``: the graph, its node count then, and every tensor's version.
-_block_starts: dict[int, tuple[fx.Graph, int, dict[fx.Node, int]]] = {}
+#: Per ``_start_first_block``: the graph, its last node then, and every tensor's version.
+_block_starts: dict[int, tuple[fx.Graph, fx.Node, dict[fx.Node, int]]] = {}
 _start_numbers = itertools.count()
+
+
+def _nodes_after(node: fx.Node) -> Iterator[fx.Node]:
+    """The nodes appended after ``node``: a block's, where ``node`` was the graph's last before it.
+
+    Dynamo appends a trace's nodes at the end and inserts the inputs it lifts among
+    the placeholders at the start, so these are the block's own nodes, its inputs not included.
+    """
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
 
 
 @torch.compiler.assume_constant_result
@@ -619,7 +642,7 @@ def _start_first_block() -> int:
         del _block_starts[stale]
     versions = {node: value._version for node, value in _example_tensors(graph)}
     start = next(_start_numbers)
-    _block_starts[start] = (graph, len(graph.nodes), versions)
+    _block_starts[start] = (graph, graph._root.prev, versions)  # the sentinel itself for an empty graph
     return start
 
 
@@ -660,14 +683,9 @@ def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_
     """
     _learn_reads(module)
     tracer = _subgraph_tracer()
-    _, nodes_before, versions = _block_starts.pop(start)
+    _, last_before, versions = _block_starts[start]
     numbers = _symbolic_numbers(tracer)
-    symbolic = (
-        numbers[arg]
-        for node in itertools.islice(tracer.graph.nodes, nodes_before, None)
-        for arg in node.all_input_nodes
-        if arg in numbers
-    )
+    symbolic = (numbers[arg] for node in _nodes_after(last_before) for arg in node.all_input_nodes if arg in numbers)
     name = next(symbolic, None)
     if name is not None:
         reason = (
@@ -690,6 +708,30 @@ def _learn_from_first_block(module: nn.Module, start: int, wrote: bool, returns_
         return 0
     _inline_blocks_like(module, reason, *_user_forward_line(module))
     return 0
+
+
+def _record_first_block(proxies: list) -> None:
+    """Run at trace time (``_read_at_trace_time``) after a first block's inlined forward and what it taught.
+
+    ``proxies``: the start (``_start_first_block``), the key later blocks like it use
+    (None: none shares its region), the number of argument leaves, the leaves, the
+    forward's tensors.
+    """
+    start, key, num_leaves = proxies[:3]
+    graph, last_before, _ = _block_starts.pop(start)
+    if key is None:
+        return
+    leaves, outputs = proxies[3 : 3 + num_leaves], proxies[3 + num_leaves :]
+    inputs = [leaf.node if isinstance(leaf, fx.Proxy) else leaf for leaf in leaves]
+    block = InlinedFirstBlock(key, inputs, [output.node for output in outputs], list(_nodes_after(last_before)))
+    note_inlined_first_block(graph, block)
+
+
+def _record_body(proxies: list) -> None:
+    """Run at trace time at a region body's start: its key, and the caller's nodes of its argument leaves."""
+    key, *leaves = proxies
+    leaf_nodes = [leaf.node if isinstance(leaf, fx.Proxy) else None for leaf in leaves]
+    note_region_body(_subgraph_tracer().graph, key, leaf_nodes)
 
 
 _untracked_writes = itertools.count(1)
@@ -924,6 +966,8 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
             learned = _block_key(module, writes, layout, flat)
             if learned is not None:
                 _first_of_its_key(learned)
+            recorded = (learned, len(flat), *flat, *items) if returns_tensors_only else (None, 0)
+            _read_at_trace_time(_record_first_block, (start, *recorded))
         return output
     return _block_region(module, key, len(inputs), gathered, layout, *flat)
 

@@ -2,8 +2,8 @@
 
 The schedule the passes choose depends on sizes (tokens per rank, parameter bytes)
 this machine cannot run, and on hardware it does not have. ``capture_step`` compiles
-one training step through AOTAutograd with the min-cut partitioner and the pass suite
-exactly as Inductor would see it, but its compilers return *uninitialized* outputs
+one training step through the pass suite's pre-grad pass, AOTAutograd with the
+min-cut partitioner and the rest of the suite exactly as Inductor would see it, but its compilers return *uninitialized* outputs
 (``torch.empty_strided``: the pages are never touched, so even a large model costs
 little memory). The captured graphs go to ``compile_shard.passes.simulate`` with a
 hardware profile. Use it under a fake process group (``backend="fake"``).
@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from .passes import has_sharded_params, run_partitioned_suite
+from .passes import has_sharded_params, run_partitioned_suite, run_pre_grad_suite
 
 
 def _dry_compiler(captured: list[fx.GraphModule]) -> Callable:
@@ -79,9 +79,15 @@ def capture_step(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], to
         bw_compiler=_dry_compiler(captured),
         partition_fn=min_cut_rematerialization_partition,
     )
+
+    def like_inductor(graph_module: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if run_pre_grad_suite(graph_module.graph):  # Inductor's pre-grad hook
+            graph_module.recompile()
+        return backend(graph_module, example_inputs)
+
     torch._dynamo.reset()
     try:
-        loss_fn(torch.compile(model, backend=backend, fullgraph=True)).backward()
+        loss_fn(torch.compile(model, backend=like_inductor, fullgraph=True)).backward()
     finally:
         torch._dynamo.reset()
     return captured

@@ -1,6 +1,10 @@
 """compile_shard's FX pass suite over the AOT joint graph (installed as ``compile_shard.passes``).
 
-The passes run, in this order, on the joint forward-backward graph of a model
+First, with Inductor, on Dynamo's graph before AOTAutograd traces it (Inductor's
+pre-grad hook, ``run_pre_grad_suite``): ``reuse_first_blocks`` makes the first block of
+each reuse key, which Dynamo traced inlined, call the region its later blocks call.
+
+Then the passes run, in this order, on the joint forward-backward graph of a model
 sharded with ``fully_shard``, right before the partitioner splits it. Each is named
 once: its function, its module, its switch in ``settings`` and its dump file.
 
@@ -44,7 +48,7 @@ from .bucket import bucket
 from .compile_regions import compile_regions
 from .copy_out import copy_out
 from .gather_buffers import gather_buffers
-from .install import JOINT_PASSES, has_sharded_params, install, run_partitioned_suite, run_suite
+from .install import JOINT_PASSES, has_sharded_params, install, run_partitioned_suite, run_pre_grad_suite, run_suite
 from .keep_order import keep_order
 from .lower import lower
 from .place import place
@@ -52,6 +56,7 @@ from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
+from .reuse_first_blocks import reuse_first_blocks
 from .save_attention import save_attention
 from .unused_params import unused_params
 from .settings import PassSettings, overridden, settings
@@ -77,7 +82,9 @@ __all__ = [
     "reorder",
     "reorder_within_budget",
     "reshard",
+    "reuse_first_blocks",
     "run_partitioned_suite",
+    "run_pre_grad_suite",
     "run_suite",
     "save_attention",
     "settings",

@@ -63,6 +63,7 @@ from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
 from .reshard import reshard
+from .reuse_first_blocks import reuse_first_blocks
 from .save_attention import save_attention
 from .settings import settings
 from .simulate import simulate
@@ -127,7 +128,8 @@ def cost_profile(graph: fx.Graph) -> str:
     """``settings.cost_profile``, or the profile for the device the graph runs on."""
     if settings.cost_profile is not None:
         return settings.cost_profile
-    values = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
+    # ``val`` in AOTAutograd's graphs, ``example_value`` in Dynamo's.
+    values = [node.meta.get("val", node.meta.get("example_value")) for node in graph.find_nodes(op="placeholder")]
     on_cuda = any(isinstance(value, torch.Tensor) and value.is_cuda for value in values)
     return "h100_nvlink" if on_cuda else "cpu_gloo"
 
@@ -145,6 +147,27 @@ def scheduled_depths(profile: HardwareProfile) -> tuple[int, int]:
         default if settings.prefetch_depth is None else settings.prefetch_depth,
         default if settings.reduce_scatter_depth is None else settings.reduce_scatter_depth,
     )
+
+
+def reuses_first_blocks(graph: fx.Graph) -> bool:
+    """``settings.reuse_first_blocks``, a ``None`` resolved for ``graph``'s cost profile.
+
+    Inlined, a first block hides its reduce-scatter behind its own input gradient's
+    matmuls; a region returns both gradients together. Where the profile says nothing
+    overlaps (``cpu_gloo``) that hides nothing, so the default reuses the region there;
+    elsewhere it keeps the overlap.
+    """
+    if settings.reuse_first_blocks is not None:
+        return settings.reuse_first_blocks
+    return not get_profile(cost_profile(graph)).overlaps_communication
+
+
+def run_pre_grad_suite(graph: fx.Graph) -> int:
+    """Runs the suite's pass on Dynamo's graph, before AOTAutograd traces it (Inductor's pre-grad hook):
+    ``reuse_first_blocks``; returns how many blocks it changed. A custom backend can call it itself."""
+    if not settings.compile_regions or not reuses_first_blocks(graph):
+        return 0
+    return reuse_first_blocks(graph)
 
 
 def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> int:
@@ -250,6 +273,13 @@ class _InductorJointPrePass(_ChainedInductorPass):
             verify(graph, after="Inductor's joint-graph passes")
 
 
+class _PreGradPass(_ChainedInductorPass):
+    """Inductor's pre-grad hook, on Dynamo's graph before AOTAutograd (``run_pre_grad_suite``)."""
+
+    def run(self, graph: fx.Graph) -> None:
+        run_pre_grad_suite(graph)
+
+
 class _PostGradPass(_ChainedInductorPass):
     """Inductor's post-grad hook: schedules each partitioned forward and backward graph, planned buffers on."""
 
@@ -265,6 +295,8 @@ def install() -> None:
     if not isinstance(functorch_config.joint_custom_pass, _JointPass):
         functorch_config.joint_custom_pass = _JointPass(functorch_config.joint_custom_pass)
     inductor_config = torch._inductor.config
+    if not isinstance(inductor_config.pre_grad_custom_pass, _PreGradPass):
+        inductor_config.pre_grad_custom_pass = _PreGradPass(inductor_config.pre_grad_custom_pass)
     if not isinstance(inductor_config.joint_custom_pre_pass, _InductorJointPrePass):
         inductor_config.joint_custom_pre_pass = _InductorJointPrePass(inductor_config.joint_custom_pre_pass)
     if not isinstance(inductor_config.post_grad_custom_post_pass, _PostGradPass):

@@ -29,6 +29,13 @@ class PassSettings:
     #: ``fully_shard`` warns once (``REGIONS_SUPPORTED``). See [Note: sharded blocks as
     #: nested compile regions].
     compile_regions: bool = True
+    #: With Inductor: the first block of each reuse key, which Dynamo traces inlined,
+    #: calls the region its later blocks call, so Inductor compiles one block, not two
+    #: (off: it stays inlined, and hides its reduce-scatter behind its own input
+    #: gradient). ``None``: on where the cost profile overlaps no communication with
+    #: compute (``cpu_gloo``), off elsewhere; see [Note: the first block calls its region
+    #: after Dynamo].
+    reuse_first_blocks: bool | None = None
     #: Recompute resharded groups' all-gathers in backward; save the others' gathered parameters.
     reshard: bool = True
     #: Save (not recompute) zero-dropout attention in checkpoint regions;

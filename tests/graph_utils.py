@@ -12,7 +12,7 @@ from torch._functorch.partitioners import default_partition, min_cut_remateriali
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from compile_shard._annotation import GroupAnnotation, write_group_annotation
-from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite
+from compile_shard.passes import has_sharded_params, overridden, run_partitioned_suite, run_pre_grad_suite
 
 c10d = torch.ops._c10d_functional
 fsdp = torch.ops.fsdp
@@ -62,10 +62,11 @@ class CapturingBackend:
     """An AOT backend that records the joint, forward and backward graphs it compiles.
 
     Like Inductor's post-grad hook, its compilers schedule the partitioned graphs
-    (``run_partitioned_suite``) before running them eagerly.
+    (``run_partitioned_suite``) before running them eagerly. ``pre_grad``: like
+    Inductor's pre-grad hook, it runs ``run_pre_grad_suite`` on Dynamo's graph first.
     """
 
-    def __init__(self, min_cut: bool = False):
+    def __init__(self, min_cut: bool = False, pre_grad: bool = False):
         self.joint_graphs: list[fx.GraphModule] = []
         self.forward_graphs: list[fx.GraphModule] = []
         self.backward_graphs: list[fx.GraphModule] = []
@@ -85,9 +86,16 @@ class CapturingBackend:
 
             return compiler
 
-        self.backend = aot_autograd(
+        aot_backend = aot_autograd(
             fw_compiler=keep(self.forward_graphs), bw_compiler=keep(self.backward_graphs), partition_fn=partition_fn
         )
+
+        def backend(graph_module, example_inputs):
+            if pre_grad and run_pre_grad_suite(graph_module.graph):
+                graph_module.recompile()
+            return aot_backend(graph_module, example_inputs)
+
+        self.backend = backend
 
 
 # The tests' name for compile_shard.passes.overridden: settings for one block.

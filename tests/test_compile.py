@@ -25,6 +25,10 @@ def _lowered_counts(graph: torch.fx.Graph) -> Counter:
     padded = [g for n in exchanges for g in n.args[1] if g.target is torch.ops.aten.slice_scatter.default]
     return op_counts(graph) + Counter(padded_gradients=len(padded))
 
+def _region_calls(graph: torch.fx.Graph) -> int:
+    return len(graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
+
+
 N_LAYERS = 2
 GROUPS = N_LAYERS + 1
 
@@ -130,20 +134,29 @@ def test_dynamo_graph_takes_one_input_per_sharded_parameter():
 
 
 def _compiled_matches_eager(
-    rank, world_size, backend, checkpoint_blocks, bucket_cap_mb=None, compile_regions=False, region_copy_out=False
+    rank,
+    world_size,
+    backend,
+    checkpoint_blocks,
+    bucket_cap_mb=None,
+    compile_regions=False,
+    region_copy_out=False,
+    n_layers=N_LAYERS,
 ):
+    """``n_layers``: at least 3 for regions, as Dynamo inlines a region only one block calls."""
     settings.bucket_cap_mb = bucket_cap_mb
     settings.compile_regions = compile_regions
-    config = LlamaConfig(n_layers=N_LAYERS, checkpoint_blocks=checkpoint_blocks)
+    config = LlamaConfig(n_layers=n_layers, checkpoint_blocks=checkpoint_blocks)
     compiled_model, _ = build_sharded_llama(config)
     if region_copy_out:
         copy_out_in_regions(compiled_model)
     eager_model, _ = build_sharded_llama(config)
-    # "scheduled": aot_eager's min-cut partitioner, then the partitioned suite (reorder),
-    # as Inductor's post-grad hook runs it; aot_eager itself has no such hook.
-    capture = CapturingBackend(min_cut=True)
+    # "scheduled": the pre-grad pass, aot_eager's min-cut partitioner, then the partitioned
+    # suite (reorder), as Inductor's hooks run them; aot_eager itself has no such hooks.
+    capture = CapturingBackend(min_cut=True, pre_grad=True)
     compiled_backend = capture.backend if backend == "scheduled" else backend
     lowered_graphs = []
+    lowered_region_calls = []  # per outer graph Inductor lowers, forward first
     if backend == "inductor":  # a post-grad pass after the suite's sees the graphs Inductor lowers
         inductor_config = torch._inductor.config
         installed = inductor_config.post_grad_custom_post_pass
@@ -151,6 +164,8 @@ def _compiled_matches_eager(
         def run_installed_then_record(graph):
             installed(graph)
             lowered_graphs.append(_lowered_counts(graph))
+            if lowered_graphs[-1]["wait"]:
+                lowered_region_calls.append(_region_calls(graph))
 
         inductor_config.post_grad_custom_post_pass = run_installed_then_record
         inductor_config.fx_graph_cache = False  # a cache hit would skip the pass
@@ -179,6 +194,10 @@ def _compiled_matches_eager(
     # The outer forward and backward (compile regions' subgraphs hold no collective).
     outer_graphs = [counts for counts in lowered_graphs if counts["wait"]]
     assert len(outer_graphs) == (2 if backend == "inductor" else 0)
+    if compile_regions and not checkpoint_blocks and backend in ("inductor", "scheduled"):
+        # Every block calls its region, the first included ([Note: the first block calls its region after Dynamo]).
+        forward_graph = capture.forward_graphs[0].graph if backend == "scheduled" else None
+        assert (lowered_region_calls[0] if forward_graph is None else _region_calls(forward_graph)) == n_layers
     for counts in outer_graphs:
         # On gloo every all-gather and every reduction's exchange write into Inductor's
         # buffers ([Note: gloo all-gather], passes/gather_buffers.py), straight from the
@@ -216,6 +235,12 @@ def test_bucketed_and_reordered_training_matches_eager_on_gloo():
     tests/test_regions.py::test_bucketed_regions_match_eager_on_gloo.
     """
     run_gloo(_compiled_matches_eager, 3, "scheduled", False, 1000.0)
+
+
+@pytest.mark.parametrize("region_copy_out", [False, True], ids=["gloo_copy_out", "region_copy_out"])
+def test_regions_through_inductors_passes_match_eager_on_gloo(region_copy_out):
+    """Every block in its region, the first included, with Inductor's passes and eager kernels: bitwise eager."""
+    run_gloo(_compiled_matches_eager, 2, "scheduled", False, None, True, region_copy_out, 3)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from compile_shard.passes.patterns import only_user
 from graph_utils import annotate_group, c10d, fsdp, make_annotation, op_counts, trace
 
 aten = torch.ops.aten
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
 WORLD, GROUP = 2, "0"
 
 
@@ -768,6 +769,95 @@ def test_copy_out_computes_what_the_per_parameter_copies_compute(on_gloo):
     from dist_utils import run_gloo
 
     run_gloo(_gloo_copy_out_computes_the_same, 2, on_gloo)
+
+
+# reuse_first_blocks ------------------------------------------------------------------
+
+_KEY = 7
+
+
+def _dynamo_like_graph(*, read_outside=False, in_place=False, later_blocks=2, bias="shared", returns_input=False):
+    """Dynamo's graph of a model of blocks, as ``compile_shard`` traces it: block 0 inlined (``relu(x @ w0 + b)``),
+    the later ones calling the region body traced for block 1, with what ``_region`` records while tracing.
+
+    ``bias``: what the body lifted itself, "shared" by every call or one "per_block"; None for none.
+    """
+    from compile_shard import _annotation
+
+    if bias is None:
+        body = torch.fx.symbolic_trace(lambda x, w: (torch.relu(x @ w),))
+    else:
+        body = torch.fx.symbolic_trace(lambda x, w, b: (torch.relu(x @ w + b),))
+    root = torch.nn.Module()
+    root.subgraph_0 = body
+    graph = torch.fx.Graph()
+    x, w0, w1, w2, b0, b1 = (graph.placeholder(name) for name in ("x", "w0", "w1", "w2", "b0", "b1"))
+    product = graph.call_function(operator.matmul, (x, w0))
+    block = [product]
+    if bias is not None:
+        product = graph.call_function(operator.add, (product, b0))
+        block.append(product)
+    hidden = graph.call_function(torch.relu, (product,))
+    block.append(hidden)
+    if in_place:
+        block.append(graph.call_method("add_", (hidden, 1.0)))
+    output = hidden
+    for later, w in enumerate((w1, w2)[:later_blocks]):
+        lifted = () if bias is None else (b0 if bias == "shared" or later == 0 else b1,)
+        call = graph.call_function(invoke_subgraph, (graph.get_attr("subgraph_0"), "subgraph_0", output, w, *lifted))
+        output = graph.call_function(operator.getitem, (call, 0))
+    graph.output((output, block[0]) if read_outside else (output,))
+    graph_module = torch.fx.GraphModule(root, graph)
+    _annotation.note_region_body(body.graph, _KEY, [hidden, w1])  # what block 1's call passed for the leaves
+    block_outputs = [x] if returns_input else [hidden]
+    _annotation.note_inlined_first_block(graph, _annotation.InlinedFirstBlock(_KEY, [x, w0], block_outputs, block))
+    return graph_module
+
+
+def _dynamo_like_inputs():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, generator=generator)
+    return x, *(torch.randn(3, 3, generator=generator) for _ in range(3)), torch.randn(3), torch.randn(3)
+
+
+@pytest.mark.parametrize("bias", [None, "shared"])
+def test_reuse_first_blocks_makes_the_inlined_first_block_call_its_region(bias):
+    from compile_shard.passes import reuse_first_blocks
+
+    graph_module = _dynamo_like_graph(bias=bias)
+    inputs = _dynamo_like_inputs()
+    expected = graph_module(*inputs)
+    assert reuse_first_blocks(graph_module.graph) == 1
+    graph = graph_module.graph
+    graph.lint()
+    calls = graph.find_nodes(op="call_function", target=invoke_subgraph)
+    x, w0, *_, b0, _ = graph.find_nodes(op="placeholder")
+    assert len(calls) == 3 and calls[0].args[1:] == ("subgraph_0", x, w0, *(() if bias is None else (b0,)))
+    assert calls[1].args[2].args[0] is calls[0]  # block 1 reads what block 0's region returns
+    assert not graph.find_nodes(op="call_function", target=torch.relu)  # the inlined block is gone
+    graph_module.recompile()
+    torch.testing.assert_close(graph_module(*inputs), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"read_outside": True},  # a node of the block read past its outputs
+        {"in_place": True},
+        {"later_blocks": 0},  # no region of its key
+        {"bias": "per_block", "later_blocks": 2},  # a lifted input the calls pass differently
+        {"bias": "shared", "later_blocks": 1},  # a lifted input only one call shows
+        {"returns_input": True},  # an output that is not the block's own node
+    ],
+    ids=["read_outside", "in_place", "no_region", "lifted_per_block", "lifted_by_one_call", "returns_input"],
+)
+def test_reuse_first_blocks_leaves_a_block_inlined_where_the_swap_could_change_the_graph(variant):
+    from compile_shard.passes import reuse_first_blocks
+
+    graph_module = _dynamo_like_graph(**variant)
+    before = graph_module.print_readable(print_output=False)
+    assert reuse_first_blocks(graph_module.graph) == 0
+    assert graph_module.print_readable(print_output=False) == before
 
 
 # verify ----------------------------------------------------------------------------

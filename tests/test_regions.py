@@ -98,6 +98,31 @@ def test_every_block_calls_one_region_and_backward_gathers_again(world_size):
     _assert_reshards(model, forward, backward)
 
 
+@pytest.mark.parametrize(
+    "reuse_first_blocks, cost_profile, reused",
+    [(True, "h100_nvlink", True), (False, None, False), (None, None, True), (None, "h100_nvlink", False)],
+    ids=["on", "off", "default_on_cpu", "default_where_communication_overlaps"],
+)
+def test_inductors_pre_grad_hook_makes_the_first_block_call_its_region_too(reuse_first_blocks, cost_profile, reused):
+    """[Note: the first block calls its region after Dynamo]. By default only where the cost profile overlaps
+    no communication: elsewhere the inlined first block hides its reduce-scatter (``reuses_first_blocks``)."""
+    capture = CapturingBackend(min_cut=True, pre_grad=True)
+    overrides = {"reuse_first_blocks": reuse_first_blocks, "cost_profile": cost_profile}
+    with FakeProcessGroup(2), pass_settings(compile_regions=True, **overrides):
+        model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        tokens = torch.randint(0, 1001, (2, 9))
+        for _ in range(2):
+            lm_loss(compiled, tokens).backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
+    (forward,), (backward,) = capture.forward_graphs, capture.backward_graphs
+    forward_regions = _region_calls(forward.graph)
+    blocks_in_regions = N_LAYERS if reused else REGION_BLOCKS
+    assert len(forward_regions) == len(_region_calls(backward.graph)) == blocks_in_regions
+    assert len({node.args[1] for node in forward_regions}) == 1 and _region_body_traces() == 1
+    _assert_reshards(model, forward, backward)
+
+
 def test_a_traced_forward_mutates_two_lists_per_group_and_no_parameter(monkeypatch):
     """Dynamo replays, and formats a stack for, every object a trace mutates ([Note: one mutated list per group])."""
     side_effects = torch._dynamo.side_effects.SideEffects
@@ -156,14 +181,18 @@ def test_graph_dumps_list_the_region_bodies(tmp_path):
 
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic_length"])
 def test_dry_run_capture_partitions_regions_like_inductor(symbolic):
-    """Also with the sequence length symbolic, as Dynamo recompiles after it changed (``mark_dynamic``)."""
+    """Also with the sequence length symbolic, as Dynamo recompiles after it changed (``mark_dynamic``).
+
+    Like Inductor, every block calls its region, the first included ([Note: the first
+    block calls its region after Dynamo]).
+    """
     with FakeProcessGroup(8), pass_settings(compile_regions=True):
         model, _ = build_sharded_llama(LlamaConfig(n_layers=N_LAYERS))
         tokens = torch.randint(0, 1001, (2, 9))
         forward, backward = capture_step(model, lambda compiled: lm_loss(compiled, tokens, symbolic_length=symbolic))
     sizes = [node.meta["val"] for node in forward.graph.find_nodes(op="placeholder")]
     assert any(isinstance(size, torch.SymInt) for size in sizes) == symbolic
-    assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == REGION_BLOCKS
+    assert len(_region_calls(forward.graph)) == len(_region_calls(backward.graph)) == N_LAYERS
     assert op_counts(backward.graph)["all_gather"] == N_LAYERS
     simulation = simulate_step([forward.graph, backward.graph], get_profile("h100_nvlink"), world_size=8)
     assert simulation.compute_seconds > 0
@@ -274,13 +303,13 @@ def test_compiled_regions_match_eager_on_gloo(world_size, checkpoint_blocks, reg
 
     ``region_copy_out``: the regions copy out as they do off gloo (``copy_out_in_regions``).
     """
-    run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True, region_copy_out)
+    run_gloo(_compiled_matches_eager, world_size, "inductor", checkpoint_blocks, None, True, region_copy_out, N_LAYERS)
 
 
 @pytest.mark.parametrize("region_copy_out", [False, True], ids=["gloo_copy_out", "region_copy_out"])
 def test_regions_under_aot_eager_match_eager_on_gloo(region_copy_out):
     """aot_eager, whose partitioner no joint pre-pass precedes: parameters bitwise eager's over 7 steps, one graph."""
-    run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True, region_copy_out)
+    run_gloo(_compiled_matches_eager, 3, "aot_eager", False, None, True, region_copy_out, N_LAYERS)
 
 
 def _assert_parameters_equal(models):
@@ -407,7 +436,7 @@ def test_hugging_face_llama_layers_share_one_region_and_match_eager_on_gloo():
 @pytest.mark.slow
 def test_bucketed_regions_match_eager_on_gloo():
     """One bucket for all blocks (gathered and reduced once), each block still its region: plain blocks."""
-    run_gloo(_compiled_matches_eager, 3, "inductor", False, 1000.0, True)
+    run_gloo(_compiled_matches_eager, 3, "inductor", False, 1000.0, True, False, N_LAYERS)
 
 
 def _reused_block_with_regions(rank, world_size):
