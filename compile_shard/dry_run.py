@@ -2,10 +2,10 @@
 
 The schedule the passes choose depends on sizes (tokens per rank, parameter bytes)
 this machine cannot run, and on hardware it does not have. ``capture_step`` compiles
-one training step through the pass suite's pre-grad pass, AOTAutograd with the
-min-cut partitioner and the rest of the suite exactly as Inductor would see it, but its compilers return *uninitialized* outputs
-(``torch.empty_strided``: the pages are never touched, so even a large model costs
-little memory). The captured graphs go to ``compile_shard.passes.simulate`` with a
+one training step through the suite's pre-grad pass, AOTAutograd with the min-cut
+partitioner and the rest of the suite exactly as Inductor would see it, but its
+compilers return *uninitialized* outputs (``torch.empty_strided``: the pages are never
+touched, so even a large model costs little memory). The captured graphs go to ``compile_shard.passes.simulate`` with a
 hardware profile. Use it under a fake process group (``backend="fake"``).
 """
 

@@ -1,7 +1,10 @@
 """Installs the suite into torch.compile's pipeline, chained with passes already there.
 
-Four hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
+Five hooks, all set once by ``fully_shard`` (``install()`` is idempotent):
 
+- ``torch._inductor.config.pre_grad_custom_pass`` runs inside Inductor on Dynamo's
+  graph, before AOTAutograd traces it: ``reuse_first_blocks``
+  (``run_pre_grad_suite``). Its ``uuid`` keys the caches as the joint pre-pass's does.
 - ``torch._functorch.config.joint_custom_pass`` runs on the AOT joint graph right
   before partitioning, for every backend (``aot_eager`` and ``inductor`` alike): the
   suite runs there.

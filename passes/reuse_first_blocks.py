@@ -58,7 +58,8 @@ def _writes_in_place(node: fx.Node) -> bool:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
-    return getattr(node.target, "__name__", "").endswith("_") and not getattr(node.target, "__name__", "").startswith("_")
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _operands(block: InlinedFirstBlock, traced_leaves: list, calls: list[fx.Node], own: set[fx.Node]) -> list | None:
@@ -84,6 +85,7 @@ def _operands(block: InlinedFirstBlock, traced_leaves: list, calls: list[fx.Node
 
 
 def _replaceable(graph: fx.Graph, block: InlinedFirstBlock, operands: list[fx.Node], num_outputs: int) -> bool:
+    """Whether the block's nodes can all go for a call taking ``operands`` and returning ``num_outputs``."""
     alive = set(graph.nodes)
     own = set(block.nodes)
     outputs = set(block.outputs)
