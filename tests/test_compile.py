@@ -25,6 +25,7 @@ def _lowered_counts(graph: torch.fx.Graph) -> Counter:
     padded = [g for n in exchanges for g in n.args[1] if g.target is torch.ops.aten.slice_scatter.default]
     return op_counts(graph) + Counter(padded_gradients=len(padded))
 
+
 def _region_calls(graph: torch.fx.Graph) -> int:
     return len(graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph))
 

@@ -222,12 +222,10 @@ def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     # Blocks 2 and 3 call one region, in forward and in backward.
     assert (stats["region_calls"], inlined["compile"]["region_calls"]) == (4, 0)
     assert regions["graph_collectives"] == inlined["graph_collectives"]  # backward still gathers again
-    # The same compute, but for the copy-out: the regions' is one fsdp.copy_out per gather where the
-    # inlined graph has a clone per parameter, each a kernel's overhead in the cost model (34 fewer
-    # kernels here, 7% of the time).
-    compute_s = regions["simulation"]["compute_s"]
-    assert compute_s <= inlined["simulation"]["compute_s"]
-    assert compute_s == pytest.approx(inlined["simulation"]["compute_s"], rel=0.12)
+    # The same compute: both copy out with one fsdp.copy_out per gather, the regions' inside them
+    # (the copy_out pass makes the inlined graph's clones one too; before it, the inlined graph's
+    # clone per parameter cost 7% more).
+    assert regions["simulation"]["compute_s"] == pytest.approx(inlined["simulation"]["compute_s"], rel=0.02)
 
 
 def _step_collectives(build, train_bench, param_dtype):
