@@ -57,7 +57,9 @@ def _gpt():
 
 
 def _llama():
-    return Llama(LlamaConfig(vocab_size=VOCAB, dim=32, ffn_hidden=64))
+    # 3 blocks: Dynamo inlines a region only one block calls, so with 2 no block would
+    # run in a region, and the first would not call it (``reuse_first_blocks``).
+    return Llama(LlamaConfig(vocab_size=VOCAB, dim=32, ffn_hidden=64, n_layers=3))
 
 
 def _summed_logits(logits, tokens):
