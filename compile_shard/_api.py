@@ -18,9 +18,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import ops
 from ._attribute_writes import CountsWrites, count_writes
 from ._group import FSDPParamGroup, ReshardGroup
-from ._param import FSDPParam, ParamUsage
+from ._param import FSDPParam, ParamUsage, sharding_of
 from ._region import (
     REGIONS_SUPPORTED,
     accepts_region_call,
@@ -280,14 +281,36 @@ class FSDPState:
 
 
 @torch._dynamo.disable(recursive=True)
-def _note_requires_grad(root: FSDPState) -> None:
-    """Before the root's step: a new settings version for each group whose parameters were frozen or unfrozen.
+def _before_step(root: FSDPState) -> None:
+    """Before the root's step, eager or compiled: the registrations checked, and the frozen parameters noted.
 
+    A new settings version for each group whose parameters were frozen or unfrozen.
     Disabled: the root's forward runs eagerly, but Dynamo would compile the frames it calls.
     """
     for state in root.subtree_states:
         if state.group is not None:
+            _check_registrations(state.group)
             state.group.note_requires_grad()
+
+
+def _check_registrations(group: FSDPParamGroup) -> None:
+    """Each module still holds what the group registered on it; another group's sharded parameter raises.
+
+    A parameter assigned since (``load_state_dict(assign=True)`` does it, or a user's
+    ``module.weight = ...``) becomes the sharded parameter, as FSDP2's lazy init makes
+    it ([Note: a sharded parameter assigned by load_state_dict] in ``_param``); one
+    that another group sharded is a tie made after ``fully_shard`` ([Note: a parameter
+    in one group] in ``_param``).
+    """
+    for fsdp_param in group.fsdp_params:
+        for usage in fsdp_param.usages:
+            found = usage.module._parameters.get(usage.name)
+            if found is fsdp_param.registered:
+                continue
+            other = None if found is None else sharding_of(found)
+            if other is not None and other is not fsdp_param:
+                raise _shared_between_groups(f"fully_shard({group.module_name!r})", fsdp_param.fqn, usage.module, other)
+            fsdp_param.adopt_loaded_param()
 
 
 @torch.compiler.assume_constant_result
@@ -392,7 +415,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
         compiling = torch.compiler.is_compiling()
         if state.is_root and not compiling:
-            _note_requires_grad(state)
+            _before_step(state)
             sharded_forward = self._sharded_forward
             if isinstance(self, OptimizedModule):
                 sharded_forward = self.dynamo_ctx(sharded_forward)
@@ -455,6 +478,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         """
         for group in self._groups():
             group.unshard()
+            group.hide_unsharded_params()  # the forward shows them; until then the registered ones are read
         return UnshardHandle() if async_op else None
 
     def reshard(self) -> None:
@@ -660,18 +684,24 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """FSDP2's knob: the collectives' buffers from the process group's own allocator, where its backend has one.
 
-        A backend without one (gloo, the fake backend) makes FSDP2 fall back to torch's
-        allocator, as compile_shard always does: accepted there. A backend with one
-        (NCCL with a memory allocator) raises ``NotImplementedError``; Inductor plans
-        the compiled graphs' buffers instead ([Note: planned all-gather buffers]).
+        A backend without one (gloo, the fake and threaded test groups) makes FSDP2 fall
+        back to torch's allocator, as compile_shard always does: accepted there. A
+        backend with one (NCCL with a memory allocator) raises ``NotImplementedError``;
+        Inductor plans the compiled graphs' buffers instead ([Note: planned all-gather
+        buffers]). As in FSDP2, it cannot be combined with a custom all-gather or
+        reduce-scatter (``AssertionError``), whose buffers are their own.
         """
-        if not enable:
-            return
         for group in self._groups():
-            device = torch.device(group.mesh.device_type)
-            backend = group.mesh.get_group(group.mesh.ndim - 1)._get_backend(device)
-            # A backend without the method (older torch) allocates no tensors either.
-            if getattr(backend, "supports_tensor_alloc", lambda device: False)(device):
+            custom = group.all_gather_comm_name or group.reduce_scatter_comm_name
+            if custom is not None:
+                raise AssertionError(
+                    f"fully_shard({group.module_name!r}): cannot call set_allocate_memory_from_process_group_for_comm "
+                    "after set_custom_all_gather or set_custom_reduce_scatter: the custom collective allocates its "
+                    "own buffers (FSDP2's rule)"
+                )
+            if enable and ops.allocates_comm_tensors(
+                group.mesh.get_group(group.mesh.ndim - 1), torch.device(group.mesh.device_type)
+            ):
                 raise NotImplementedError(
                     f"fully_shard({group.module_name!r}): set_allocate_memory_from_process_group_for_comm(True) on "
                     "a process group that allocates tensors is not supported: compile_shard allocates collective "
@@ -803,26 +833,20 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn.Parameter, list[ParamUsage]]:
-    """Parameters registered in ``module``'s subtree, minus subtrees already sharded and ``ignored``."""
-    sharded_below = {
-        id(tensor)
-        for submodule in module.modules()
-        if (state := _get_state(submodule)) is not None and state.group is not None
-        for fsdp_param in state.group.fsdp_params
-        for tensor in (fsdp_param.sharded_param, fsdp_param.original_param())
-    }
+    """Parameters registered in ``module``'s subtree, minus subtrees already sharded and ``ignored``.
+
+    A parameter another ``fully_shard`` call sharded already is FSDP2's ``ValueError``
+    ([Note: a parameter in one group] in ``_param``).
+    """
     usages: dict[nn.Parameter, list[ParamUsage]] = {}
 
     def visit(submodule: nn.Module, prefix: str) -> None:
         for name, param in submodule._parameters.items():
             if param is None or id(param) in ignored:
                 continue
-            if id(param) in sharded_below:
-                raise ValueError(
-                    f"fully_shard({label}): parameter {prefix + name!r} is already sharded by "
-                    "another fully_shard call (a parameter shared across groups). Apply fully_shard to a "
-                    "common ancestor of every module that uses it instead"
-                )
+            other = sharding_of(param)
+            if other is not None:
+                raise _shared_between_groups(f"fully_shard({label})", prefix + name, submodule, other)
             usages.setdefault(param, []).append(ParamUsage(submodule, name))
         for child_name, child in submodule.named_children():
             if _get_state(child) is None:
@@ -830,6 +854,17 @@ def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn
 
     visit(module, "")
     return usages
+
+
+def _shared_between_groups(where: str, fqn: str, module: nn.Module, other: FSDPParam) -> ValueError:
+    owners = " and ".join(dict.fromkeys(_label(usage.module) for usage in other.usages))
+    return ValueError(
+        f"{where}: parameter {fqn!r} of {_label(module)} is shared with {owners} ({other.fqn!r}), which another "
+        "fully_shard call "
+        "sharded: each group gathers and reduces its parameters on its own, so the shared parameter's gradient "
+        "would miss one group's contribution. Shard the modules that share it in one group, "
+        "fully_shard([module_a, module_b]), or apply fully_shard to a common ancestor of both only"
+    )
 
 
 def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
@@ -889,6 +924,11 @@ def _check_mesh(label: str, mesh: DeviceMesh, tensor_parallel_dims: set[str]) ->
             f"fully_shard({label}): expected a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
             f"{mesh.ndim}-D mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}. Pass the data-parallel dimensions, "
             "e.g. mesh['dp_replicate', 'dp_shard']"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(  # FSDP2's type
+            f"fully_shard({label}): the 2-D mesh {tuple(mesh.shape)} for HSDP needs mesh_dim_names, e.g. "
+            "init_device_mesh(device, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
         )
     root = mesh._get_root_mesh()
     if mesh.ndim == 2 or root is mesh or root.size() == mesh.size():
@@ -1102,6 +1142,17 @@ def _shard_dim(label: str, fqn: str, param: nn.Parameter, shard_placement_fn, me
     return dim
 
 
+def _check_contiguous(label: str, named: dict[str, nn.Parameter]) -> None:
+    """FSDP2 shards contiguous parameters only (``NotImplementedError``): a channels_last weight is refused."""
+    for fqn, param in named.items():
+        if not param.is_contiguous():
+            raise NotImplementedError(
+                f"fully_shard({label}): parameter {fqn!r} is not contiguous (shape {tuple(param.shape)}, stride "
+                f"{param.stride()}), which FSDP2 does not shard either. Make it contiguous before fully_shard, "
+                "e.g. module.to(memory_format=torch.contiguous_format), and convert activations instead"
+            )
+
+
 def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
     """Trainable parameters share one dtype: their gradients are reduced as one buffer (FSDP2's rule)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
@@ -1189,6 +1240,7 @@ def fully_shard(
     else:
         _check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
+    _check_contiguous(label, named)
     _check_trainable_dtypes(label, named)
     shard_dims = [_shard_dim(label, fqn, param, shard_placement_fn, mesh) for fqn, param in named.items()]
     group = None
@@ -1221,17 +1273,40 @@ def fully_shard(
     return cast(FSDPModule, module)
 
 
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state of the ``fully_shard`` call applied to ``module``, else None.
+
+    The accessor torch's composable-API contract gives FSDP2's ``fully_shard``; the
+    modules of one list share one state.
+    """
+    return _get_state(module)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]
+
+
 def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    """``fully_shard``'s module argument as a list: one module, or FSDP2's list of modules forming one group."""
+    """``fully_shard``'s module argument as a list: one module, or FSDP2's list of modules forming one group.
+
+    FSDP2's refusals, with its exception types: a container without a forward of its
+    own (``ValueError``: it has no forward to unshard around), a module sharded twice
+    (``AssertionError``, from torch's composable-API contract).
+    """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(f"fully_shard: expected an nn.Module or a non-empty list of them, got {module!r}")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _user_class(type(module)).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard: {type(module).__name__} has no forward of its own, so there is no forward to unshard its "
+            "parameters around (FSDP2 refuses it too). Apply fully_shard to each module it holds, or pass them as "
+            "one group: fully_shard(list(container))"
+        )
     for m in modules:
         if _get_state(m) is not None:
-            raise ValueError(
+            raise AssertionError(
                 f"fully_shard was already applied to this {_label(m)}; apply it once per module "
                 "(bottom-up: blocks first, then the root)"
             )
     if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard: the list holds the same module twice")
+        raise AssertionError("fully_shard: the list holds the same module twice; list each module once")
     return modules

@@ -269,6 +269,8 @@ class UnshardedParams:
         self.all_gather_node = nodes[0] if len(nodes) == len(all_gather_outputs) else None
         self.is_freed = False
         self.backward_done = False
+        # The parameters registered on the modules while these are unsharded ([Note: registered parameters]).
+        self.registered: list[torch.nn.Parameter] | None = None
 
     def free(self) -> None:
         if self.is_freed:
@@ -339,6 +341,8 @@ class FSDPParamGroup:
         reshard_group: ReshardGroup | None = None,
     ):
         self.fsdp_params = fsdp_params
+        for fsdp_param in fsdp_params:
+            fsdp_param.group_ref = weakref.ref(self)
         # What the modules read, and the eager use flags, per parameter ([Note: one mutated list per group]).
         # After the parameters' slots, ``shown_params`` holds a traced forward's all-gather outputs where the
         # block's region copies out ([Note: a region copies out its block's parameters] in compile_shard._region).
@@ -507,6 +511,8 @@ class FSDPParamGroup:
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, unpickling) registers its copies of the objects under names of its own."""
         self.__dict__.update(state)
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.group_ref = weakref.ref(self)
         register_slot_lists(self, (self.shown_params, self.use_flags))
         bound, self._bound = self._bound, {}
         for role, (_, obj) in bound.items():
@@ -862,7 +868,25 @@ class FSDPParamGroup:
             self._refill(self.unsharded)
         for fsdp_param, tensor in zip(self.fsdp_params, self.unsharded.tensors):
             fsdp_param.show_unsharded(tensor)
+        self._register_unsharded(self.unsharded)
         return self.unsharded
+
+    def _register_unsharded(self, unsharded: UnshardedParams) -> None:
+        """Registers the unsharded parameters on the modules, as FSDP2 does ([Note: registered parameters] in ``_param``)."""
+        if unsharded.registered is None:
+            unsharded.registered = [fsdp_param.unsharded_parameter() for fsdp_param in self.fsdp_params]
+        for fsdp_param, param in zip(self.fsdp_params, unsharded.registered):
+            fsdp_param.register(param)
+
+    def hide_unsharded_params(self) -> None:
+        """The modules read the registered parameters again, the unsharded ones still registered (eager)."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.show_sharded()
+
+    def _register_sharded(self) -> None:
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.show_sharded()
+            fsdp_param.register(fsdp_param.sharded_param)
 
     def _gather_for_forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
@@ -887,8 +911,7 @@ class FSDPParamGroup:
         )
 
     def reshard(self) -> None:
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.show_sharded()
+        self._register_sharded()
         if self.kept_after_backward is not None and not self._kept_by_trace:
             _free_storages(self.kept_after_backward)  # as FSDP2 frees them, whatever else holds them
         # A traced forward's are dropped, not freed: its own backward may still read them.
@@ -1083,8 +1106,11 @@ class FSDPParamGroup:
         unsharded.post_forward_chunks = None
         if self.unsharded is unsharded:
             self.unsharded = None
-        for fsdp_param in self.fsdp_params:
-            fsdp_param.show_sharded()
+        if self.unsharded is None and self.kept_after_backward is None:
+            self._register_sharded()
+        else:  # kept after backward, or unsharded by a later forward: still registered, as in FSDP2
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.show_sharded()
         self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:

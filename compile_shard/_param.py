@@ -73,6 +73,7 @@ import inspect
 import math
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,6 +100,34 @@ class ParamUsage:
 
     module: nn.Module
     name: str
+
+
+#: The ``id`` of each parameter a fully_shard call sharded, original and sharded, to its ``FSDPParam``
+#: ([Note: a parameter in one group]). By ``id``: a weak reference to a parameter would keep
+#: ``torch.utils.swap_tensors`` (``module.to_empty()``) from swapping it.
+_SHARDED_BY: weakref.WeakValueDictionary[int, FSDPParam] = weakref.WeakValueDictionary()
+
+
+def sharding_of(param: torch.Tensor) -> FSDPParam | None:
+    """The ``FSDPParam`` that sharded ``param`` (an original or a sharded parameter), None for any other tensor.
+
+    [Note: a parameter in one group]
+    Each group all-gathers its parameters and reduce-scatters their gradients on its
+    own, so a parameter in two groups (an embedding tied to the output projection,
+    each sharded by a ``fully_shard`` call of its own) would be gathered twice and its
+    sharded gradient written by each group with that group's contribution alone: a
+    silently wrong gradient. FSDP2 raises ``ValueError`` at its lazy init. Here every
+    parameter a call shards is noted, original and sharded, and ``fully_shard`` raises
+    where a later call finds one in its subtree (``_api._managed_params``); a tie made
+    after ``fully_shard`` (``output.weight = embed.weight``) puts another group's
+    sharded parameter into a module's ``_parameters``, which the root finds before
+    each step (``_api._check_registrations``). A parameter shared within one group is
+    one ``FSDPParam`` with several usages, gathered and reduced once.
+    """
+    fsdp_param = _SHARDED_BY.get(id(param))
+    if fsdp_param is None or param is not fsdp_param.sharded_param and param is not fsdp_param.original_param():
+        return None  # another tensor at the address of a freed one
+    return fsdp_param
 
 
 _MANAGED_ATTR = "_compile_shard_managed"
@@ -187,6 +216,17 @@ class _RoundedGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad.to(ctx.dtype).to(grad.dtype), None
+
+
+def _resharding(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``state_dict`` and ``load_state_dict``'s pre-hook on every module that uses a sharded parameter.
+
+    As FSDP2's: the groups reshard, so the sharded parameters are registered ([Note: registered parameters]).
+    """
+    for fsdp_param in getattr(module, _MANAGED_ATTR, {}).values():
+        group = fsdp_param.group_ref()
+        if group is not None:
+            group.reshard()
 
 
 def _adopting_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
@@ -380,10 +420,17 @@ class FSDPParam:
         # The dtype each read rounds its gradient contribution to, set by the group
         # ([Note: gradient contributions]); None: contributions add in the read's dtype.
         self.contribution_dtype: torch.dtype | None = None
+        # What the modules' ``_parameters`` hold ([Note: registered parameters]).
+        self.registered: nn.Parameter = self.sharded_param
+        # The group this parameter is in, set by the group: what the state-dict hooks reshard.
+        self.group_ref: Callable[[], Any] = lambda: None
+        _SHARDED_BY[id(param)] = _SHARDED_BY[id(self.sharded_param)] = self
         for usage in usages:
             usage.module._parameters[usage.name] = self.sharded_param
             install_managed_attribute(usage, self)
             usage.module.register_load_state_dict_post_hook(_adopting_loaded_params)
+            usage.module.register_state_dict_pre_hook(_resharding)
+            usage.module.register_load_state_dict_pre_hook(_resharding)
 
     @property
     def unsharded_param(self) -> torch.Tensor | None:
@@ -536,6 +583,31 @@ class FSDPParam:
             unsharded_param = unsharded_dtensor(unsharded_param, self.tp_spec, self.spmd_data_parallel_dims)
         self._shown[self._slot] = unsharded_param
 
+    def register(self, param: nn.Parameter) -> None:
+        """Puts ``param`` in the ``_parameters`` of every module that uses this parameter.
+
+        [Note: registered parameters]
+        FSDP2 registers the unsharded parameters on the modules from unshard to reshard:
+        after ``unshard()``, after a forward that does not reshard (the root's, by
+        default) and until backward reshards, ``module.parameters()`` are plain
+        unsharded parameters; otherwise the sharded DTensors. Its ``state_dict()`` and
+        ``load_state_dict()`` reshard first. compile_shard's unsharded tensors are
+        all-gather outputs inside autograd's graph, which the forward reads through the
+        modules' properties ([Note: parameters are read through properties]); what eager
+        mode registers in their place is an ``nn.Parameter`` over the same storage
+        (``unsharded_parameter``), freed and refilled with it, so that ``parameters()``
+        and the properties outside forward show what FSDP2's show. A compiled graph keeps
+        its unsharded tensors inside: around a compiled step the sharded parameters stay
+        registered (docs/api.md).
+        """
+        self.registered = param
+        for usage in self.usages:
+            usage.module._parameters[usage.name] = param
+
+    def unsharded_parameter(self) -> nn.Parameter:
+        """The ``nn.Parameter`` registered while the modules read the shown unsharded tensor: a leaf over its storage."""
+        return nn.Parameter(self._shown[self._slot].detach(), requires_grad=self.sharded_param.requires_grad)
+
     def unsharded_local(self) -> torch.Tensor:
         """The tensor ``show_unsharded`` was given: a tensor-parallel parameter's local tensor."""
         unsharded_param = self._shown[self._slot]
@@ -547,13 +619,14 @@ class FSDPParam:
         """What ``module.<name>`` returns for every module that uses this parameter.
 
         The unsharded tensor between unshard and reshard (eager, and for the duration
-        of a traced forward, see [Note: traced unshard]), else the sharded DTensor:
-        FSDP2's registration semantics. Each read rounds its own gradient contribution
-        where FSDP2 does ([Note: gradient contributions]).
+        of a traced forward, see [Note: traced unshard]), else the registered parameter
+        ([Note: registered parameters]): FSDP2's registration semantics. Each read
+        rounds its own gradient contribution where FSDP2 does ([Note: gradient
+        contributions]).
         """
         unsharded_param = self._shown[self._slot]  # not the property: traced, a call costs an inlining
         if unsharded_param is None:
-            return self.sharded_param
+            return self.registered
         if self.contribution_dtype is None:
             return unsharded_param
         return _RoundedGradient.apply(unsharded_param, self.contribution_dtype)
@@ -593,7 +666,7 @@ class FSDPParam:
             (
                 param
                 for usage in self.usages
-                if (param := usage.module._parameters.get(usage.name)) is not self.sharded_param
+                if (param := usage.module._parameters.get(usage.name)) is not self.registered
             ),
             None,
         )
@@ -622,8 +695,8 @@ class FSDPParam:
         if not isinstance(loaded, nn.Parameter):
             loaded = nn.Parameter(loaded, requires_grad=sharded.requires_grad)
         self.sharded_param = loaded
-        for usage in self.usages:
-            usage.module._parameters[usage.name] = loaded
+        _SHARDED_BY[id(loaded)] = self
+        self.register(loaded)
         self.reset_sharded_param()
 
     def reset_sharded_param(self) -> None:

@@ -56,7 +56,7 @@ from .all_gather import (
     copy_out,
     post_forward_chunk,
 )
-from .backend import gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
+from .backend import allocates_comm_tensors, gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
     all_to_all_grads_,
     all_to_all_into_,
@@ -71,6 +71,7 @@ from .rank_check import RankMismatchError
 from .storage import resize_storage_, set_
 
 __all__ = [
+    "allocates_comm_tensors",
     "all_gather_into",
     "all_gather_params_",
     "all_gather_send_recv_",

@@ -6,6 +6,31 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
+def backend_name(group: torch.distributed.ProcessGroup, device: torch.device) -> str | None:
+    """The name of ``group``'s backend for ``device`` ("gloo", "nccl", "fake", "threaded"), None where it has none.
+
+    Read from the public ``get_backend_config`` ("cpu:gloo,cuda:nccl"): torch's
+    threaded test process group (``MultiThreadedTestCase``) has no backend object to
+    ask for a device, and answers there.
+    """
+    config = torch.distributed.get_backend_config(group)
+    by_device = dict(entry.split(":", 1) for entry in config.split(",") if ":" in entry)
+    return by_device.get(device.type)
+
+
+def allocates_comm_tensors(group: torch.distributed.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group``'s backend allocates the collectives' buffers itself (NCCL with a memory allocator).
+
+    gloo and the fake and threaded test groups do not: FSDP2 falls back to torch's
+    allocator on them. Only the others are asked, through the backend object.
+    """
+    if backend_name(group, device) in (None, "gloo", "fake", "threaded"):
+        return False
+    backend = group._get_backend(device)
+    # A backend without the method (older torch) allocates no tensors either.
+    return getattr(backend, "supports_tensor_alloc", lambda device: False)(device)
+
+
 def _on_gloo(group_name: str, device: torch.device) -> bool:
     """Whether ``group_name`` is a live group in this process whose backend for ``device`` is gloo.
 
@@ -17,7 +42,7 @@ def _on_gloo(group_name: str, device: torch.device) -> bool:
         group = _resolve_process_group(group_name)
     except RuntimeError:  # a graph built by hand, or for another process: no live group to ask
         return False
-    return group._get_backend(device).name() == "gloo"
+    return backend_name(group, device) == "gloo"
 
 
 def gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
