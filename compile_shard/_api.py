@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.eval_frame import OptimizedModule, skip_code
 from torch._dynamo.types import FrameAction, FrameExecStrategy
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
@@ -40,6 +41,10 @@ from .passes.settings import settings
 __all__ = ["FSDPModule", "fully_shard"]
 
 _STATE_ATTR = "_compile_shard_state"
+#: The entry under "fully_shard" in torch's composable-API registry, which ``replicate()`` and FSDP2
+#: read to leave a sharded subtree alone. One object for every call: a block's region signature
+#: compares the objects its modules hold (``_region.block_signature``).
+_REGISTRY_ITEM = RegistryItem()
 #: Where ``fully_shard`` keeps an ``OptimizedModule``'s ``forward`` ([Note: a block compiled on its own]).
 _COMPILED_FORWARD_ATTR = "_compile_shard_compiled_forward"
 
@@ -66,6 +71,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.is_root = True
+        self.lazy_initialized = False  # whether the root's first forward ran FSDP2's lazy-init steps
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
         self._shown_by_method: list[list[FSDPParamGroup]] = []
@@ -287,9 +293,13 @@ def _before_step(root: FSDPState) -> None:
     A new settings version for each group whose parameters were frozen or unfrozen.
     Disabled: the root's forward runs eagerly, but Dynamo would compile the frames it calls.
     """
+    first = not root.lazy_initialized
+    root.lazy_initialized = True
     for state in root.subtree_states:
         if state.group is not None:
             _check_registrations(state.group)
+            if first:  # FSDP2's lazy init reads the all-gather extensions again: set after fully_shard, they count
+                state.group.init_extensions()
             state.group.note_requires_grad()
 
 
@@ -775,6 +785,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         group = self._get_fsdp_state().group
         if group is not None:
             for fsdp_param in group.fsdp_params:
+                fsdp_param.adopt_loaded_param()  # as FSDP2's reset_sharded_param, a parameter assigned since
                 fsdp_param.reset_sharded_param()
         return result
 
@@ -849,7 +860,7 @@ def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn
                 raise _shared_between_groups(f"fully_shard({label})", prefix + name, submodule, other)
             usages.setdefault(param, []).append(ParamUsage(submodule, name))
         for child_name, child in submodule.named_children():
-            if _get_state(child) is None:
+            if _get_state(child) is None and _composable_with_fsdp(child):
                 visit(child, f"{prefix}{child_name}.")
 
     visit(module, "")
@@ -867,6 +878,11 @@ def _shared_between_groups(where: str, fqn: str, module: nn.Module, other: FSDPP
     )
 
 
+def _composable_with_fsdp(module: nn.Module) -> bool:
+    """FSDP2's rule: a subtree that ``replicate()`` (composable DDP) manages is left to it."""
+    return "replicate" not in (_get_registry(module) or {})
+
+
 def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     """Buffers registered in the modules' subtrees, minus subtrees already sharded (FSDP2's managed buffers)."""
     buffers: dict[int, torch.Tensor] = {}
@@ -874,7 +890,7 @@ def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
     while stack:
         module = stack.pop()
         buffers.update((id(buffer), buffer) for buffer in module._buffers.values() if buffer is not None)
-        stack.extend(child for child in module.children() if _get_state(child) is None)
+        stack.extend(child for child in module.children() if _get_state(child) is None and _composable_with_fsdp(child))
     return list(buffers.values())
 
 
@@ -1264,6 +1280,7 @@ def fully_shard(
     sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
     for top in modules:
         top.__dict__[_STATE_ATTR] = state
+        top.__dict__.setdefault(REGISTRY_KEY, {}).setdefault("fully_shard", _REGISTRY_ITEM)
         if isinstance(top, OptimizedModule):  # compiled before fully_shard: [Note: a block compiled on its own]
             top.__dict__[_COMPILED_FORWARD_ATTR] = top.__dict__.pop("forward")
         top.__class__ = _fsdp_class(type(top))

@@ -365,25 +365,14 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy
         # [Note: all-gather extensions] in compile_shard._param.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
-        # Whether the unshard is one all-gather per part and a plain copy-out, which a block's region
-        # can take over ([Note: a region copies out its block's parameters] in compile_shard._region).
-        self.has_plain_copy_out = (
+        # Whether the unshard could be one all-gather per part and a plain copy-out, extensions aside.
+        self._gathers_plainly = (
             mesh.size(-1) > 1
-            and not self.has_extensions
             and reshard_group is None
             and forwards_per_iteration == 1
             and all(fsdp_param.shard_dim == 0 and fsdp_param.tp_spec is None for fsdp_param in fsdp_params)
         )
-        # Whether a trace leaves it to the region: not on gloo, whose exchange in place needs
-        # the copy-out in the outer graph ([Note: gloo exchange in place] in compile_shard.ops.transport).
-        self.copies_out_in_region = self.has_plain_copy_out and not ops.gathers_by_send_recv(
-            self.group_name, torch.device(mesh.device_type)
-        )
-        if self.has_extensions and reshard_group is not None:
-            raise NotImplementedError(
-                f"fully_shard({module_name}): reshard_after_forward as a smaller group is not supported for "
-                "parameters with an all-gather extension (fsdp_pre_all_gather), as in FSDP2; pass True or False"
-            )
+        self._extensions_changed()
         # FSDP2's MixedPrecisionPolicy as the reduction applies it ([Note: mixed-precision
         # reduction] in compile_shard.ops): the dtype gradients are computed in (the
         # trainable parameters' all-gather dtype), and ``reduce_dtype``, None where it is
@@ -555,6 +544,38 @@ class FSDPParamGroup:
 
     def _requires_grad(self) -> tuple[bool, ...]:
         return tuple(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
+
+    def _extensions_changed(self) -> None:
+        """What depends on whether the group has all-gather extensions ([Note: all-gather extensions] in ``_param``)."""
+        if self.has_extensions and self.reshard_group is not None:
+            raise NotImplementedError(
+                f"fully_shard({self.module_name}): reshard_after_forward as a smaller group is not supported for "
+                "parameters with an all-gather extension (fsdp_pre_all_gather), as in FSDP2; pass True or False"
+            )
+        # Whether the unshard is one all-gather per part and a plain copy-out, which a block's region
+        # can take over ([Note: a region copies out its block's parameters] in compile_shard._region).
+        self.has_plain_copy_out = self._gathers_plainly and not self.has_extensions
+        # Whether a trace leaves it to the region: not on gloo, whose exchange in place needs
+        # the copy-out in the outer graph ([Note: gloo exchange in place] in compile_shard.ops.transport).
+        self.copies_out_in_region = self.has_plain_copy_out and not ops.gathers_by_send_recv(
+            self.group_name, torch.device(self.mesh.device_type)
+        )
+
+    def init_extensions(self) -> None:
+        """FSDP2's lazy init: each parameter's all-gather extension read again, set after ``fully_shard`` or not."""
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.init_extensions()
+        has_extensions = any(fsdp_param.has_extension for fsdp_param in self.fsdp_params)
+        if has_extensions == self.has_extensions:
+            return
+        if has_extensions and self.all_gather_comm_name is not None:
+            raise NotImplementedError(
+                f"fully_shard({self.module_name!r}): set_custom_all_gather is not supported for a group with "
+                "all-gather extensions (fsdp_pre_all_gather)"
+            )
+        self.has_extensions = has_extensions
+        self._extensions_changed()
+        self._settings_changed()
 
     def note_requires_grad(self) -> None:
         """Eager: the settings' version again where a parameter was frozen or unfrozen since the last call."""

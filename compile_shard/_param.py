@@ -384,11 +384,6 @@ class FSDPParam:
         self.shard_rows = end - start
         self.pin_memory = pin_memory
         self.compute_device = compute_device
-        if self.offload_to_cpu and _has_all_gather_extension(data, fqn):
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} has an all-gather extension (fsdp_pre_all_gather); compile_shard "
-                "does not offload such parameters to CPU memory. Pass OffloadPolicy() for its module"
-            )
         self.padded_shard = self._new_padded_shard(data)
         with torch.no_grad():
             self.padded_shard[: self.shard_rows].copy_(data[start:end])
@@ -396,22 +391,8 @@ class FSDPParam:
         sharded = _sharded_dtensor(local_tensor, self.sharded_mesh, self.placements, param.shape, param.stride())
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
-        self.has_extension = _has_all_gather_extension(local_tensor, fqn)
-        # Read here, not in a trace: Dynamo does not trace inspect.signature, and torch 2.11's
-        # Dynamo cannot call a function it reads off a tensor subclass's class. Called as
-        # functions, Dynamo inlines them, where it would record a method call on the tensor
-        # as one opaque node. FSDP2 accepts the older form, fsdp_pre_all_gather(mesh), too.
-        self.pre_all_gather = type(local_tensor).fsdp_pre_all_gather if self.has_extension else None
-        self.post_all_gather = type(local_tensor).fsdp_post_all_gather if self.has_extension else None
-        self.pre_all_gather_takes_mesh_only = (
-            self.has_extension and len(inspect.signature(local_tensor.fsdp_pre_all_gather).parameters) == 1
-        )
-        if self.has_extension and (self.tp_spec is not None or shard_dim != 0):
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} has an all-gather extension (fsdp_pre_all_gather) and is "
-                + ("a DTensor" if self.tp_spec is not None else f"sharded on dim {shard_dim}")
-                + "; compile_shard supports extensions on plain parameters sharded on dim 0"
-            )
+        self._installed_local = local_tensor  # what reset_sharded_param compares a subclass local tensor to
+        self.init_extensions()
         # The slots behind unsharded_param and used_since_reduction: this parameter's own until
         # its group shares them ([Note: one mutated list per group]).
         self._shown: list[torch.Tensor | None] = [None]
@@ -431,6 +412,47 @@ class FSDPParam:
             usage.module.register_load_state_dict_post_hook(_adopting_loaded_params)
             usage.module.register_state_dict_pre_hook(_resharding)
             usage.module.register_load_state_dict_pre_hook(_resharding)
+
+    def init_extensions(self) -> None:
+        """Reads the all-gather extension off the local tensor: at ``fully_shard``, and again at the first forward.
+
+        FSDP2's lazy init reads it again too ("allow monkey patch after init"): methods
+        set on the local tensor object after ``fully_shard`` or ``to_empty`` count. Read
+        here, not in a trace: Dynamo does not trace ``inspect.signature``. A class's
+        methods are kept as functions, which Dynamo inlines where it would record a
+        method call on the tensor as one opaque node; methods set on the object are
+        called bound, as FSDP2 calls them. FSDP2 accepts the older form,
+        ``fsdp_pre_all_gather(mesh)``, too.
+        """
+        local_tensor = self.local_tensor
+        self.has_extension = _has_all_gather_extension(local_tensor, self.fqn)
+        self.pre_all_gather = self.post_all_gather = None
+        self.pre_all_gather_takes_mesh_only = False
+        if not self.has_extension:
+            return
+        if self.offload_to_cpu:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} has an all-gather extension (fsdp_pre_all_gather); "
+                "compile_shard does not offload such parameters to CPU memory. Pass OffloadPolicy() for its module"
+            )
+        if self.tp_spec is not None or self.shard_dim != 0:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} has an all-gather extension (fsdp_pre_all_gather) and is "
+                + ("a DTensor" if self.tp_spec is not None else f"sharded on dim {self.shard_dim}")
+                + "; compile_shard supports extensions on plain parameters sharded on dim 0"
+            )
+        own = getattr(local_tensor, "__dict__", {})
+        for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+            method = own.get(name)
+            if method is None:
+                function = getattr(type(local_tensor), name)
+            else:  # set on the object: called bound, without the shard a class's function takes first
+
+                def function(shard: torch.Tensor, *args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                    return _method(*args, **kwargs)
+
+            setattr(self, name.removeprefix("fsdp_"), function)
+        self.pre_all_gather_takes_mesh_only = len(inspect.signature(local_tensor.fsdp_pre_all_gather).parameters) == 1
 
     @property
     def unsharded_param(self) -> torch.Tensor | None:
@@ -702,12 +724,19 @@ class FSDPParam:
     def reset_sharded_param(self) -> None:
         """Re-establishes the [Note: sharded storage] invariant after an outside change."""
         local_tensor = self.local_tensor
-        if self.has_extension:
-            if local_tensor.device != self.shard.device:
-                raise NotImplementedError(
-                    f"fully_shard: parameter {self.fqn!r} has an all-gather extension; compile_shard cannot move "
-                    "such a parameter after fully_shard. Build the model on the mesh's device first"
-                )
+        if type(local_tensor) is not torch.Tensor:
+            # A tensor subclass (TwoTensor, float8 weights) has no storage of its own to re-point
+            # with fsdp::set_; as in FSDP2, its new values go to a fresh padded shard, and the
+            # DTensor's local tensor becomes a view of it (``to_empty`` swapped the object anyway).
+            if local_tensor is self._installed_local:
+                return
+            rows = self.rows_of(local_tensor)
+            padded = self._new_padded_shard(rows)
+            with torch.no_grad():
+                padded[: self.shard_rows].copy_(rows)
+            self.sharded_param._local_tensor = self._installed_local = self.rows_of(padded[: self.shard_rows])
+            self.padded_shard = padded
+            self.shard = self._new_shard()
             return
         if self.offload_to_cpu and local_tensor.device.type not in ("cpu", "meta"):
             raise RuntimeError(

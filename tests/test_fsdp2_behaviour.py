@@ -322,3 +322,170 @@ class TestThreadedProcessGroup(MultiThreadedTestCase):
                 torch.testing.assert_close(ours.grad.to_local(), theirs.grad.to_local(), rtol=0, atol=0)
             for model in models.values():
                 model.zero_grad()
+
+
+# Composing with replicate() --------------------------------------------------------------
+
+
+class _Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.right = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.left(x) + self.right(x))
+
+
+def _replicate_worker(rank, world_size, nesting):
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(0)
+    base = _Branches()
+    losses = {}
+    params = {}
+    for name, shard in SHARDS.items():
+        model = copy.deepcopy(base)
+        if nesting == "sharded_inside_replicated":
+            shard(model.left)
+            shard(model.right[0])
+            replicate(model)
+        else:
+            replicate(model.left)
+            shard(model.right)
+            shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[name] = []
+        for step in range(3):
+            inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(inputs).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.detach())
+        params[name] = [p.to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+    assert torch.equal(torch.stack(losses["ours"]), torch.stack(losses["torch"]))
+    for ours, theirs in zip(params["ours"], params["torch"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("nesting", ["sharded_inside_replicated", "replicated_inside_sharded"])
+def test_replicate_composes_with_fully_shard_as_with_torch_fsdp2(nesting):
+    """replicate() leaves sharded subtrees alone, and fully_shard leaves replicated ones (torch's registry)."""
+    run_gloo(_replicate_worker, 2, nesting)
+
+
+# Parameters assigned after fully_shard -----------------------------------------------------
+
+
+class _Scaled(nn.Module):
+    """Two layers and a root parameter that the user computes after sharding, as from other parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x))) * self.scale
+
+
+def _assigned_worker(rank, world_size, backend):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    results = {}
+    for name, shard in SHARDS.items():
+        with torch.device("meta"):
+            model = _Scaled()
+        shard(model.first)
+        shard(model.second)
+        shard(model)
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.copy_(distribute_tensor(torch.randn(param.shape, generator=generator), param.device_mesh, [Shard(0)]))
+            # Assigned after fully_shard: FSDP2's lazy init takes it as the sharded parameter.
+            scale = (model.first.weight.norm(dim=1) + model.second.weight.norm(dim=1)) / 4
+        model.scale = nn.Parameter(scale)
+        runnable = model if backend is None or name == "torch" else torch.compile(model, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = runnable(inputs).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results[name] = (torch.stack(losses), [param.to_local() for param in model.parameters()])
+    atol = 0 if backend is None else 1e-6
+    torch.testing.assert_close(results["ours"][0], results["torch"][0], rtol=0, atol=atol)
+    for ours, theirs in zip(results["ours"][1], results["torch"][1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
+def test_a_parameter_assigned_after_fully_shard_on_meta_is_sharded_at_the_first_forward(backend):
+    run_gloo(_assigned_worker, 2, backend)
+
+
+def _two_tensor_worker(rank, world_size, patched_after_fully_shard):
+    """TwoTensor parameters built on meta, materialized with to_empty; an all-gather extension on the class, or set
+    on each local tensor after fully_shard (FSDP2 reads it again at its lazy init)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    calls = {"pre": 0, "post": 0}
+
+    def pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls["pre"] += 1
+        return (self.a, self.b), None
+
+    def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        calls["post"] += 1
+        return TwoTensor(*all_gather_outputs), all_gather_outputs
+
+    results = {}
+    for name, shard in SHARDS.items():
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False))
+            for layer in (model[0], model[2]):
+                layer.weight = nn.Parameter(TwoTensor(layer.weight, layer.weight.clone()))
+        shard(model[0])
+        shard(model)
+        model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                rows = torch.randn(param.shape, generator=generator).chunk(world_size)[rank] * 0.3
+                param.to_local().a.copy_(rows)
+                param.to_local().b.copy_(rows)
+        for param in model.parameters():
+            local = param._local_tensor  # the object itself: to_local() returns a view
+            if patched_after_fully_shard:
+                local.fsdp_pre_all_gather = pre_all_gather.__get__(local)
+                local.fsdp_post_all_gather = post_all_gather.__get__(local)
+        calls.update(pre=0, post=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(step + rank))).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        locals_ = [tensor for param in model.parameters() for tensor in (param.to_local().a, param.to_local().b)]
+        results[name] = (torch.stack(losses), locals_, dict(calls))
+    assert results["ours"][2] == results["torch"][2]
+    if patched_after_fully_shard:
+        assert results["ours"][2]["pre"] > 0
+    torch.testing.assert_close(results["ours"][0], results["torch"][0], rtol=0, atol=0)
+    for ours, theirs in zip(results["ours"][1], results["torch"][1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("patched_after_fully_shard", [False, True], ids=["plain", "extension_set_after"])
+def test_tensor_subclass_parameters_initialized_on_meta_train_as_with_torch_fsdp2(patched_after_fully_shard):
+    run_gloo(_two_tensor_worker, 2, patched_after_fully_shard)
