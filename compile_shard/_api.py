@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import ops
 from ._attribute_writes import CountsWrites, count_writes
-from ._group import FSDPParamGroup, ReshardGroup
+from ._group import FSDPParamGroup, ReshardGroup, in_backward
 from ._param import FSDPParam, ParamUsage, sharding_of
 from ._region import (
     REGIONS_SUPPORTED,
@@ -72,6 +72,8 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.is_root = True
         self.lazy_initialized = False  # whether the root's first forward ran FSDP2's lazy-init steps
+        # FSDP2's set_manual_backward_finalization ([Note: manual backward finalization] in _group).
+        self.manual_backward_finalization = False
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
         self._shown_by_method: list[list[FSDPParamGroup]] = []
@@ -219,6 +221,7 @@ class FSDPState:
         if self.is_root:
             if torch.compiler.is_compiling():
                 defer_full_collections_while_compiling()  # [Note: full collections during a compile]
+                _validate_compilable(self)
             _validate_devices(self)
         args, kwargs = self._cast_forward_inputs(args, kwargs)
         if torch.compiler.is_compiling():
@@ -336,6 +339,33 @@ def _validate_devices(root: FSDPState) -> bool:
         if state.group is not None:
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.validate_device(device_type)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _validate_compilable(root: FSDPState) -> bool:
+    """Raises, in a trace, for settings a compiled step cannot honour.
+
+    A ``grad_dtype`` wider than its parameter ([Note: grad_dtype] in ``_param``), and
+    unsharded storage kept across reshards ([Note: unsharded storage kept across
+    reshards] in ``_group``).
+    """
+    for state in root.subtree_states:
+        if state.group is not None and state.group.keep_unsharded_storage:
+            raise RuntimeError(
+                f"torch.compile: fully_shard({state.group.module_name!r}) keeps its unsharded storage across "
+                "reshards (set_keep_unsharded_storage(True)), which only eager mode honours: a compiled graph's "
+                "unsharded parameters are buffers Inductor plans (CUDA graphs, mode='reduce-overhead', keep them "
+                "at fixed addresses). Turn it off to compile"
+            )
+        if state.group is not None and (wider := state.group.gradients_wider_than_parameters()):
+            raise RuntimeError(
+                f"torch.compile: {', '.join(map(repr, wider))} of fully_shard({state.group.module_name!r}) "
+                "take gradients wider than the parameters (grad_dtype, or a grad_dtype of None beside a wider "
+                "reduce_dtype); a compiled backward gives each parameter's gradient in the parameter's own dtype, "
+                "so they would arrive rounded. Train it eagerly, or keep the parameters in the gradients' dtype and "
+                "compute in the narrower one with MixedPrecisionPolicy(param_dtype=...)"
+            )
     return True
 
 
@@ -579,46 +609,60 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         """
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """FSDP2's (torch 2.15): ``enabled=False`` is every backward here; True is refused.
+        """FSDP2's (torch 2.15): whether ``finalize_backward()`` reduces what the backwards left, eager and compiled.
 
-        FSDP2 can leave a backward's last reductions and reshards to
-        ``finalize_backward``, and reduce gradients accumulated over several backwards
-        there. compile_shard's reductions complete inside each backward (eagerly or in
-        the compiled graph), so there is nothing to defer; turning deferral on would be
-        ignored, hence the error.
+        Enabled, micro-batches accumulate their gradients without sync
+        (``set_requires_gradient_sync(False)``), sync goes back on, and
+        ``finalize_backward()`` reduces the accumulated gradients without another
+        backward ([Note: manual backward finalization] in compile_shard._group). Call it on
+        the root, outside backward.
         """
-        if not self._get_fsdp_state().is_root:
+        state = self._get_fsdp_state()
+        if not state.is_root:
             raise RuntimeError(
                 f"set_manual_backward_finalization must be called on the root fully_shard module, not on "
                 f"{_label(cast(nn.Module, self))}"
             )
-        if enabled:
-            raise NotImplementedError(
-                "set_manual_backward_finalization(True): compile_shard reduces every backward's gradients before "
-                "the backward returns, eagerly and compiled, and does not defer them to finalize_backward(). "
-                "Accumulate over several backwards with set_requires_gradient_sync(False) instead"
-            )
+        if in_backward() and bool(enabled) != state.manual_backward_finalization:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
+        state.manual_backward_finalization = bool(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
-        """FSDP2's (torch 2.15): the last backward's reductions are complete already, so this returns at once.
+        """FSDP2's (torch 2.15): reduces the gradients accumulated without sync, with sync back on.
 
-        With ``async_op`` the handle's ``wait()`` has nothing left to wait for.
+        Requires ``set_manual_backward_finalization(True)``; before the first forward it
+        does nothing, as in FSDP2. The reductions run eagerly and are complete when it
+        returns, so with ``async_op`` the handle's ``wait()`` has nothing left to wait for.
         """
+        state = self._get_fsdp_state()
+        if state.lazy_initialized:
+            if not state.is_root:
+                raise RuntimeError(
+                    f"finalize_backward must be called on the root fully_shard module, not on "
+                    f"{_label(cast(nn.Module, self))}"
+                )
+            if not state.manual_backward_finalization:
+                raise RuntimeError(
+                    "finalize_backward requires manual backward finalization: call "
+                    "set_manual_backward_finalization(True) on the root before the forward"
+                )
+            if in_backward():
+                raise RuntimeError("finalize_backward must be called after backward completes, not inside it")
+            for substate in reversed(state.subtree_states):
+                if substate.group is not None:
+                    substate.group.reduce_accumulated_grad()
         return CompletedGradientReduction() if async_op else None
 
     def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
-        """FSDP2's (torch 2.15): ``keep=False`` is compile_shard's behaviour; True is refused.
+        """FSDP2's (torch 2.15): whether resharding keeps the unsharded parameters' storage, and with it their addresses.
 
-        FSDP2 keeps the unsharded parameters' storage across reshards so that CUDA
-        graphs see fixed addresses. compile_shard frees them at reshard in eager mode,
-        and in compiled graphs Inductor plans their buffers.
+        Eager mode: each gather copies into the storage the first one allocated, and
+        resharding frees nothing ([Note: unsharded storage kept across reshards] in
+        compile_shard._group). A compiled graph's unsharded parameters are buffers that
+        Inductor plans, so compiling a model with the setting on raises.
         """
-        if keep:
-            raise NotImplementedError(
-                "set_keep_unsharded_storage(True): compile_shard frees unsharded parameters at reshard in eager "
-                "mode, and Inductor plans their buffers in compiled graphs; keeping them for CUDA graph capture "
-                "is not supported"
-            )
+        for group in self._groups(recurse):
+            group.set_keep_unsharded_storage(bool(keep))
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Sets whether backward gathers this module's parameters again (not recursive; FSDP2's knob).
@@ -781,12 +825,16 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         ``FSDPParam`` (torch 2.15's captures each parameter's ``grad_dtype`` there).
         """
         self.reshard()
-        result = nn.Module._apply(cast(nn.Module, self), *args, **kwargs)
         group = self._get_fsdp_state().group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            fsdp_param.capture_grad_dtype_policy()
+        result = nn.Module._apply(cast(nn.Module, self), *args, **kwargs)
         if group is not None:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.adopt_loaded_param()  # as FSDP2's reset_sharded_param, a parameter assigned since
                 fsdp_param.reset_sharded_param()
+                fsdp_param.apply_grad_dtype_policy()
+            group.resolve_dtypes()
         return result
 
 
@@ -1169,21 +1217,6 @@ def _check_contiguous(label: str, named: dict[str, nn.Parameter]) -> None:
             )
 
 
-def _check_trainable_dtypes(label: str, named: dict[str, nn.Parameter]) -> None:
-    """Trainable parameters share one dtype: their gradients are reduced as one buffer (FSDP2's rule)."""
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for fqn, param in named.items():
-        if param.requires_grad:
-            by_dtype.setdefault(param.dtype, []).append(fqn)
-    if len(by_dtype) > 1:
-        listing = "; ".join(f"{dtype}: {', '.join(fqns)}" for dtype, fqns in by_dtype.items())
-        raise ValueError(
-            f"fully_shard({label}): the trainable parameters of one group are reduce-scattered as one buffer "
-            f"and need one dtype, but got {listing}. Cast them to one dtype, freeze the others "
-            "(requires_grad_(False)), or apply fully_shard to the submodules with the other dtype first"
-        )
-
-
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -1257,7 +1290,6 @@ def fully_shard(
         _check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
     _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
     _check_contiguous(label, named)
-    _check_trainable_dtypes(label, named)
     shard_dims = [_shard_dim(label, fqn, param, shard_placement_fn, mesh) for fqn, param in named.items()]
     group = None
     if usages:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,6 +89,8 @@ class AllGatherPart:
     unsharded_shapes: tuple[torch.Size, ...]
     #: ``all_gather_into``'s cast: the part's dtype where a shard is in another, else None.
     param_dtype: torch.dtype | None
+    #: torch 2.15's grad_dtype: the sharded gradients' dtypes, comma-separated, where one is not its shard's.
+    grad_dtypes: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,8 +159,16 @@ def _reduce_dtype(
     reduce_dtype = mp_policy.reduce_dtype
     if reduce_dtype is None and REDUCES_IN_THE_PARAMETER_DTYPE:
         trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
-        reduce_dtype = (trainable or fsdp_params)[0].sharded_param.dtype
+        # FSDP2 2.15: promoted over each parameter's unsharded grad dtype: an explicit grad_dtype, else its
+        # own dtype; grad_dtype=None takes the incoming gradient's (``gradient_dtype``).
+        dtypes = [_unsharded_grad_dtype(p) or gradient_dtype for p in (trainable or fsdp_params)]
+        reduce_dtype = functools.reduce(torch.promote_types, dtypes)
     return None if reduce_dtype in (None, gradient_dtype) else reduce_dtype
+
+
+def _unsharded_grad_dtype(fsdp_param: FSDPParam) -> torch.dtype | None:
+    explicit, dtype = fsdp_param.grad_dtype_policy
+    return dtype if explicit else fsdp_param.sharded_param.dtype
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -164,7 +176,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 
 #: ``fsdp::all_gather_into``'s optional arguments' defaults, in order.
-_OPTION_DEFAULTS = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None)
+_OPTION_DEFAULTS = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None, None)
 
 
 class PartSettings(NamedTuple):
@@ -228,7 +240,14 @@ def _traced_settings(group: FSDPParamGroup, settings_version: int) -> TracedSett
 class TrainingState(enum.Enum):
     IDLE = enum.auto()
     FORWARD = enum.auto()
+    #: A forward that activation checkpointing recomputes in backward, before the group's pre-backward.
+    RECOMPUTE = enum.auto()
     PRE_BACKWARD = enum.auto()
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (FSDP2's ``is_bw``)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnshardedParams:
@@ -269,13 +288,19 @@ class UnshardedParams:
         self.all_gather_node = nodes[0] if len(nodes) == len(all_gather_outputs) else None
         self.is_freed = False
         self.backward_done = False
+        # Set by the group: the settings version it was gathered under, and whether backward kept it
+        # ([Note: one gather per backward window]).
+        self.settings_version: int | None = None
+        self.kept = False
+        self.keeps_storage = False  # set by the group: [Note: unsharded storage kept across reshards]
         # The parameters registered on the modules while these are unsharded ([Note: registered parameters]).
         self.registered: list[torch.nn.Parameter] | None = None
 
     def free(self) -> None:
         if self.is_freed:
             return
-        _free_storages(self.tensors)
+        if not self.keeps_storage:  # [Note: unsharded storage kept across reshards]
+            _free_storages(self.tensors)
         self.is_freed = True
 
     def refill(self, fresh: list[torch.Tensor]) -> None:
@@ -360,8 +385,6 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         # FSDP2's reshard_after_forward=<int>: reshard to this smaller group instead.
         self.reshard_group = reshard_group
-        # Fixed at sharding time; held here so a trace reads constants per group.
-        self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
         self.mp_policy = mp_policy
         # [Note: all-gather extensions] in compile_shard._param.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
@@ -373,35 +396,24 @@ class FSDPParamGroup:
             and all(fsdp_param.shard_dim == 0 and fsdp_param.tp_spec is None for fsdp_param in fsdp_params)
         )
         self._extensions_changed()
-        # FSDP2's MixedPrecisionPolicy as the reduction applies it ([Note: mixed-precision
-        # reduction] in compile_shard.ops): the dtype gradients are computed in (the
-        # trainable parameters' all-gather dtype), and ``reduce_dtype``, None where it is
-        # that dtype already (FSDP2 clamps it so).
-        self.gradient_dtype = _gradient_dtype(fsdp_params, mp_policy)
-        self.reduce_dtype = _reduce_dtype(fsdp_params, mp_policy, self.gradient_dtype)
-        if (
-            ROUNDS_EACH_GRADIENT_CONTRIBUTION
-            and self.reduce_dtype is not None
-            and self.reduce_dtype.itemsize < self.gradient_dtype.itemsize
-        ):
-            for fsdp_param in fsdp_params:  # [Note: gradient contributions] in compile_shard._param
-                if fsdp_param.sharded_param.requires_grad:
-                    fsdp_param.contribution_dtype = self.reduce_dtype
         # FSDP2's knobs for the gradient reduction (set_gradient_divide_factor and
         # set_force_sum_reduction_for_comms); read when the all-gather runs or is traced.
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction_for_comms = False
-        self.gradient_reduction = GradientReduction.choose(self.data_parallel_size, None, False, self.reduction_dtype)
+        self.accumulated_grad: torch.Tensor | None = None
+        self.partial_reduce_output: torch.Tensor | None = None
+        # all_gather_parts, gradient_dtype, reduce_dtype, gradient_reduction: from the parameters'
+        # dtypes now, and again where they changed (FSDP2 resolves them at its lazy init).
+        self._resolved_dtypes: tuple | None = None
+        self._resolve_dtypes()
         # FSDP2's set_requires_gradient_sync: while False, backward adds the unsharded
         # gradients into ``accumulated_grad`` instead of reducing them
         # ([Note: gradient accumulation without sync] in compile_shard.ops).
         self.requires_gradient_sync = True
-        self.accumulated_grad: torch.Tensor | None = None
         # FSDP2's set_requires_all_reduce on HSDP: while False, backward adds the
         # reduce-scattered gradients into ``partial_reduce_output`` instead of
         # all-reducing them ([Note: HSDP reduction] in compile_shard.ops).
         self.requires_all_reduce = True
-        self.partial_reduce_output: torch.Tensor | None = None
         # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
         # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
         self.reduce_scatter_unused_params = False
@@ -436,6 +448,9 @@ class FSDPParamGroup:
         # ([Note: unsharded parameters kept after backward]).
         self.reshard_after_backward = True
         self.kept_after_backward: tuple[torch.Tensor, ...] | None = None
+        # FSDP2's set_keep_unsharded_storage ([Note: unsharded storage kept across reshards]).
+        self.keep_unsharded_storage = False
+        self._kept_storage: list[torch.Tensor] | None = None
         self._kept_by_trace = False
         self.unsharded: UnshardedParams | None = None
         self._live: list[weakref.ref[UnshardedParams]] = []
@@ -461,6 +476,43 @@ class FSDPParamGroup:
             and part is not None
         ):
             self.partial_reduce_output = self._gradient_buffer(sum(part.padded_numels))
+
+    def reduce_accumulated_grad(self) -> None:
+        """FSDP2's ``finalize_backward`` (torch 2.15): the gradients accumulated without sync, reduced now.
+
+        [Note: manual backward finalization]
+        FSDP2 2.15's ``set_manual_backward_finalization(True)`` leaves what a backward
+        did not reduce to ``finalize_backward()``: micro-batches accumulate their
+        gradients without sync, sync goes back on, and finalization reduces each group's
+        accumulated gradients, with no backward of its own (a pipeline's schedule makes
+        it a step of its own). compile_shard reduces in each backward what that backward
+        reduces (eagerly, or inside the compiled graph), so what is left for
+        finalization is exactly the buffer of gradients accumulated without sync
+        (``accumulated_grad``): reduced here, eagerly, with the group's settings of now,
+        in the ops of the all-gather's backward. As in FSDP2, HSDP's partial reduction
+        (``set_requires_all_reduce(False)``) cannot be finalized this way.
+        """
+        if self.accumulated_grad is None or not self.requires_gradient_sync:
+            return
+        if self.partial_reduce_output is not None:
+            raise RuntimeError(
+                f"fully_shard({self.module_name!r}): manual backward finalization does not support HSDP's partial "
+                "gradient reduction (set_requires_all_reduce(False)); turn the all-reduce back on before the last "
+                "backward, or finalize automatically"
+            )
+        part = self._part_taking_gradients()
+        settings = self.gather_settings()
+        part_settings = settings.parts[self.all_gather_parts.index(part)]
+        accumulated, self.accumulated_grad = self.accumulated_grad, None
+        shards = [self.fsdp_params[index].all_gather_shard(False) for index in part.indices]
+        grads = ops.reduce_accumulated_grad(
+            accumulated, shards, part.padded_numels, self.world_size, self.group_name, *part_settings.options
+        )
+        for index, grad in zip(part.indices, grads):
+            fsdp_param = self.fsdp_params[index]
+            grad = fsdp_param.reduced_gradient_if_used(grad)
+            if grad is not None:
+                fsdp_param.accumulate_sharded_grad(grad.to(fsdp_param.shard.device))
 
     def _gradient_buffer(self, numel: int) -> torch.Tensor:
         """A zeroed buffer for gradients accumulated between reductions, in the reduction dtype."""
@@ -583,6 +635,91 @@ class FSDPParamGroup:
         if requires_grad != self._noted_requires_grad:
             self._noted_requires_grad = requires_grad
             self._settings_changed()
+        self._check_trainable_dtypes()
+        self.resolve_dtypes()
+
+    def _dtype_key(self) -> tuple:
+        for p in self.fsdp_params:
+            p.capture_grad_dtype_policy()
+        return tuple((p.sharded_param.dtype, p.sharded_param.requires_grad, p.grad_dtype_policy) for p in self.fsdp_params)
+
+    def resolve_dtypes(self) -> None:
+        """The dtype-dependent settings again, where a parameter's dtype (or trainability) changed since.
+
+        [Note: dtypes settled before each step]
+        FSDP2 settles its dtypes at its lazy init, the first forward: a model sharded in
+        bf16 and then cast with ``.to(torch.float32)`` trains in fp32, and a policy's
+        dtypes are clamped against the parameters' dtypes of then. compile_shard settles
+        them at ``fully_shard`` and again wherever the parameters' dtypes or
+        ``requires_grad`` changed since: in ``_apply`` (``module.to``) and before each of
+        the root's steps, where a new settings version makes a compiled model recompile.
+        As at FSDP2's lazy init, the trainable parameters of a group must share one dtype
+        by then (``AssertionError``, FSDP2's type): their gradients are reduced as one
+        buffer.
+        """
+        if self._dtype_key() != self._resolved_dtypes:
+            self._resolve_dtypes()
+            self._settings_changed()
+
+    def _check_trainable_dtypes(self) -> None:
+        """[Note: dtypes settled before each step]: one dtype for the trainable parameters, checked before a step."""
+        trainable = {
+            fsdp_param.sharded_param.dtype for fsdp_param in self.fsdp_params if fsdp_param.sharded_param.requires_grad
+        }
+        if len(trainable) > 1:
+            listing = "; ".join(
+                f"{fsdp_param.fqn}: {fsdp_param.sharded_param.dtype}"
+                for fsdp_param in self.fsdp_params
+                if fsdp_param.sharded_param.requires_grad
+            )
+            raise AssertionError(
+                f"fully_shard({self.module_name!r}): the trainable parameters of one group are reduce-scattered as "
+                f"one buffer and need one dtype, but got {listing}. Cast them to one dtype, freeze the others "
+                "(requires_grad_(False)), or apply fully_shard to the submodules with the other dtype first"
+            )
+
+    def _resolve_dtypes(self) -> None:
+        """FSDP2's ``_init_mp_dtypes`` (its lazy init) on the parameters' current dtypes."""
+        fsdp_params, mp_policy = self.fsdp_params, self.mp_policy
+        self._resolved_dtypes = self._dtype_key()
+        for fsdp_param in fsdp_params:
+            fsdp_param.apply_grad_dtype_policy()
+        self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
+        self.gradient_dtype = _gradient_dtype(fsdp_params, mp_policy)
+        self.reduce_dtype = _reduce_dtype(fsdp_params, mp_policy, self.gradient_dtype)
+        rounds = (
+            ROUNDS_EACH_GRADIENT_CONTRIBUTION
+            and self.reduce_dtype is not None
+            and self.reduce_dtype.itemsize < self.gradient_dtype.itemsize
+        )
+        for fsdp_param in fsdp_params:  # [Note: gradient contributions] in compile_shard._param
+            fsdp_param.contribution_dtype = (
+                self.reduce_dtype if rounds and fsdp_param.sharded_param.requires_grad else None
+            )
+        self.gradient_reduction = GradientReduction.choose(
+            self.data_parallel_size, self.gradient_divide_factor, self.force_sum_reduction_for_comms,
+            self.reduction_dtype,
+        )
+        parts = []
+        for part in self.all_gather_parts:  # [Note: grad_dtype] in compile_shard._param
+            dtypes = [fsdp_params[index].sharded_grad_dtype(self.reduction_dtype) for index in part.indices]
+            differs = any(dtype != fsdp_params[index].sharded_param.dtype for dtype, index in zip(dtypes, part.indices))
+            names = ",".join(str(dtype).removeprefix("torch.") for dtype in dtypes) if differs else None
+            parts.append(dataclasses.replace(part, grad_dtypes=names))
+        self.all_gather_parts = tuple(parts)
+        for name in ("accumulated_grad", "partial_reduce_output"):  # pending gradients follow
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != self.reduction_dtype:
+                setattr(self, name, buffer.to(self.reduction_dtype))
+
+    def gradients_wider_than_parameters(self) -> list[str]:
+        """The parameters whose gradients a compiled backward would round ([Note: grad_dtype] in ``_param``)."""
+        return [
+            fsdp_param.fqn
+            for fsdp_param in self.fsdp_params
+            if fsdp_param.sharded_param.requires_grad
+            and fsdp_param.sharded_grad_dtype(self.reduction_dtype).itemsize > fsdp_param.sharded_param.dtype.itemsize
+        ]
 
     def guard_requires_grad(self) -> None:
         """Reads each sharded parameter's ``requires_grad`` in a trace, for Dynamo to guard on, where the root's
@@ -610,6 +747,7 @@ class FSDPParamGroup:
                 self.all_reduce_hook_name,
                 self.all_gather_comm_name,
                 self.reduce_scatter_comm_name,
+                part.grad_dtypes,
             )
             given = len(options)
             while given and _is_default(options[given - 1], _OPTION_DEFAULTS[given - 1]):
@@ -876,13 +1014,18 @@ class FSDPParamGroup:
         if self.unsharded is not None and self._needs_autograd_graph(self.unsharded):
             self.reshard()  # gathered under no_grad but now needed with gradients
         if self.unsharded is None:
+            self.unsharded = self._gather_awaiting_backward()
+        if self.unsharded is None:
             tensors, all_gather_outputs = self._gather_for_forward()
             post_forward_chunks = None
             if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
                 post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
+            self.unsharded.settings_version = self.settings_version
+            self.unsharded.keeps_storage = self.keep_unsharded_storage
             self._live = [ref for ref in self._live if ref() is not None] + [weakref.ref(self.unsharded)]
             self._watch_use(tensors)
+            self._drop_unused_gradients(all_gather_outputs)
             if self.unsharded.all_gather_node is not None:
                 self._register_post_backward(self.unsharded)
         elif self.unsharded.is_freed:
@@ -909,12 +1052,71 @@ class FSDPParamGroup:
             fsdp_param.show_sharded()
             fsdp_param.register(fsdp_param.sharded_param)
 
+    def _gather_awaiting_backward(self) -> UnshardedParams | None:
+        """The group's latest gather whose backward has not run, for another forward to compute with.
+
+        [Note: one gather per backward window]
+        FSDP2 keeps one unsharded parameter per parameter: every forward that uses the group
+        before its post-backward adds its gradient into the same unsharded ``.grad``, and the
+        post-backward reduce-scatters the sum once (a list's member called again after the
+        list's forward, two forwards before one backward). Here each gather's all-gather node
+        reduce-scatters what reaches it, so a forward whose group was resharded since an
+        earlier forward computes with that forward's gather again (refilled) instead of a new
+        one: autograd sums both gradients into it, and its backward reduces the sum, FSDP2's
+        bits. Not once its backward has run (a new window), nor across a change of settings
+        or outside grad mode.
+        """
+        if not torch.is_grad_enabled() or self.kept_after_backward is not None:
+            return None
+        for ref in reversed(self._live):
+            unsharded = ref()
+            if unsharded is not None:
+                if (
+                    unsharded.backward_done
+                    or not unsharded.takes_gradients
+                    or unsharded.settings_version != self.settings_version
+                ):
+                    return None
+                return unsharded
+        return None
+
     def _gather_for_forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
         if self.kept_after_backward is not None:
             kept, self.kept_after_backward = self.kept_after_backward, None
             return self._as_gathered(list(kept), self.gather_settings())
+        if self.keep_unsharded_storage:
+            return self._as_gathered(self._gather_into_kept_storage(), self.gather_settings())
         return self._all_gather(self.gather_settings())
+
+    def _gather_into_kept_storage(self) -> list[torch.Tensor]:
+        """All-gathers into the storage kept across reshards: the same tensors at every gather.
+
+        [Note: unsharded storage kept across reshards]
+        FSDP2 2.15's ``set_keep_unsharded_storage(True)`` keeps the unsharded parameters'
+        storage when it reshards, so that they keep their addresses (what a CUDA graph
+        captured reads). Here each group keeps the tensors of its first gather, copies
+        every later gather into them, and gives them the all-gather's backward through
+        ``as_gathered`` (views, with a node of this forward: [Note: unsharded parameters
+        gathered outside all_gather_into] in compile_shard.ops), as for parameters kept
+        after backward; resharding then frees nothing, and a backward that gathers again
+        copies into the same storage (``UnshardedParams.refill``). Eager mode only: a
+        compiled graph's unsharded parameters are buffers Inductor plans, so compiling a
+        group that keeps its storage raises.
+        """
+        with torch.no_grad():
+            fresh, _ = self._all_gather(self.gather_settings())
+            if self._kept_storage is None:
+                self._kept_storage = [tensor.detach() for tensor in fresh]
+            else:
+                for kept, tensor in zip(self._kept_storage, fresh):
+                    kept.copy_(tensor)
+        return list(self._kept_storage)
+
+    def set_keep_unsharded_storage(self, keep: bool) -> None:
+        self.keep_unsharded_storage = keep
+        if not keep:
+            self._kept_storage = None
 
     def _watch_use(self, tensors: list[torch.Tensor]) -> None:
         """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in
@@ -923,6 +1125,32 @@ class FSDPParamGroup:
             for fsdp_param, tensor in zip(self.fsdp_params, tensors):
                 if tensor.requires_grad:
                     fsdp_param.watch_use(tensor)
+
+    def _drop_unused_gradients(self, all_gather_outputs: list[torch.Tensor]) -> None:
+        """Each eager all-gather's backward gives no gradient to a parameter no forward used since the last reduction.
+
+        ([Note: unused parameters] in passes.unused_params.) A hook on the all-gather's
+        node, which sees the reduced gradient of each shard (the node's last inputs) before
+        autograd adds what other backwards give the same shard: a compiled forward beside
+        an eager call of one of its modules (a chunked loss's head) reduces the group's
+        parameters in both. Weakly held, as in ``_register_post_backward``.
+        """
+        if self.reduce_scatter_unused_params:
+            return
+        group_ref = weakref.ref(self)
+        for part, output in zip(self.all_gather_parts, all_gather_outputs):
+            if output.grad_fn is None:
+                continue
+
+            def hook(grad_inputs, grad_outputs, indices=part.indices):
+                group = group_ref()
+                if group is None:
+                    return None
+                head, grads = grad_inputs[: -len(indices)], grad_inputs[-len(indices) :]
+                kept = [group.fsdp_params[index].reduced_gradient_if_used(grad) for index, grad in zip(indices, grads)]
+                return (*head, *kept)
+
+            output.grad_fn.register_hook(hook)
 
     def _needs_autograd_graph(self, unsharded: UnshardedParams) -> bool:
         return (
@@ -935,6 +1163,11 @@ class FSDPParamGroup:
         self._register_sharded()
         if self.kept_after_backward is not None and not self._kept_by_trace:
             _free_storages(self.kept_after_backward)  # as FSDP2 frees them, whatever else holds them
+            for ref in self._live:  # and the gather they came from refills before another backward reads them
+                unsharded = ref()
+                if unsharded is not None and unsharded.kept:
+                    unsharded.is_freed = True
+                    unsharded.kept = False
         # A traced forward's are dropped, not freed: its own backward may still read them.
         self.kept_after_backward = None
         if self.unsharded is not None:
@@ -998,6 +1231,19 @@ class FSDPParamGroup:
     def pre_forward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # activation-checkpoint recompute: parameters are already unsharded
+        if in_backward():
+            # [Note: a forward recomputed in backward]
+            # Activation checkpointing recomputes a region's forward when backward first
+            # reads one of its saved tensors: for a group inside the region (a nested
+            # fully_shard on feed_forward.w1 of a checkpointed block) that is before the
+            # group's pre-backward. The recompute computes with the gather its forward
+            # made ([Note: one gather per backward window]), refilled, and does not
+            # reshard after it, as FSDP2's post-forward does not in backward: the
+            # checkpoint keeps views of these tensors for the original graph's backward,
+            # and the group's post-backward frees them.
+            self.training_state = TrainingState.RECOMPUTE
+            self.unshard()
+            return
         if self.forwards_left == 0:
             self.forwards_left = self.forwards_per_iteration
         self.training_state = TrainingState.FORWARD
@@ -1007,6 +1253,10 @@ class FSDPParamGroup:
 
     def post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
+            return output
+        if self.training_state is TrainingState.RECOMPUTE:  # [Note: a forward recomputed in backward]
+            self.training_state = TrainingState.IDLE
+            self.hide_unsharded_params()
             return output
         unsharded = self.unsharded
         if unsharded is None:
@@ -1091,14 +1341,12 @@ class FSDPParamGroup:
         unsharded.all_gather_node.register_hook(hook)
 
     def pre_backward(self, unsharded: UnshardedParams) -> None:
-        if unsharded.backward_done:
-            raise RuntimeError(
-                f"fully_shard({self.module_name}): backward ran a second time through the same forward. "
-                "fully_shard frees the unsharded parameters and reduce-scatters the gradients after the "
-                "first backward; run forward again before each backward instead of retain_graph=True"
-            )
         if self.training_state is TrainingState.PRE_BACKWARD and self.unsharded is unsharded:
             return
+        # Another backward through a gather whose backward already ran (a backward per chunk of
+        # a loss, retain_graph=True): as in FSDP2, it gathers again and its all-gather's backward
+        # reduce-scatters this backward's gradients too, added to the sharded ones.
+        unsharded.backward_done = False
         self.unsharded = unsharded
         if self.unshard_in_backward:
             if unsharded.is_freed:
@@ -1120,8 +1368,13 @@ class FSDPParamGroup:
 
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
-        if not self.reshard_after_backward and not unsharded.is_freed and self.kept_after_backward is None:
+        if (
+            not self.reshard_after_backward
+            and not unsharded.is_freed
+            and (self.kept_after_backward is None or unsharded.kept)
+        ):
             self.kept_after_backward, self._kept_by_trace = tuple(unsharded.tensors), False
+            unsharded.kept = True
         else:
             unsharded.free()
         unsharded.post_forward_chunks = None

@@ -345,12 +345,10 @@ class FSDPParam:
         chose ([Note: sharding on another dim]). ``pin_memory``: the padded shard is in pinned memory
         (``CPUOffloadPolicy``). ``compute_device``: the mesh's device where the shard is kept in CPU memory
         instead ([Note: CPU offload]), else None."""
-        if getattr(param, "_has_grad_dtype_override", False):  # torch 2.15's Tensor.grad_dtype
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} has grad_dtype={param.grad_dtype}; compile_shard gives sharded "
-                "gradients the parameter's dtype. Reduce in another dtype with "
-                "MixedPrecisionPolicy(reduce_dtype=...), or leave grad_dtype unset"
-            )
+        # torch 2.15's Tensor.grad_dtype: (explicit?, dtype or None), FSDP2's sharded_grad_dtype policy.
+        self.grad_dtype_policy: tuple[bool, torch.dtype | None] = (
+            (True, param.grad_dtype) if getattr(param, "_has_grad_dtype_override", False) else (False, None)
+        )
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -391,6 +389,7 @@ class FSDPParam:
         sharded = _sharded_dtensor(local_tensor, self.sharded_mesh, self.placements, param.shape, param.stride())
         self.sharded_param = nn.Parameter(sharded, requires_grad=param.requires_grad)
         self.shard = self._new_shard()
+        self.apply_grad_dtype_policy()
         self._installed_local = local_tensor  # what reset_sharded_param compares a subclass local tensor to
         self.init_extensions()
         # The slots behind unsharded_param and used_since_reduction: this parameter's own until
@@ -507,6 +506,39 @@ class FSDPParam:
         shard.register_post_accumulate_grad_hook(accumulate_sharded_grad)
         return shard
 
+    def capture_grad_dtype_policy(self) -> None:
+        """An explicit grad_dtype set on the sharded parameter since (FSDP2's _capture_grad_dtype_policy)."""
+        if getattr(self.sharded_param, "_has_grad_dtype_override", False):
+            self.grad_dtype_policy = (True, self.sharded_param.grad_dtype)
+
+    def apply_grad_dtype_policy(self) -> None:
+        """The sharded parameter and the shard (the leaf the reduction's gradient reaches) take an explicit grad_dtype."""
+        explicit, dtype = self.grad_dtype_policy
+        if explicit:
+            self.sharded_param.grad_dtype = dtype
+            self.shard.grad_dtype = dtype
+
+    def sharded_grad_dtype(self, reduction_dtype: torch.dtype) -> torch.dtype:
+        """The sharded gradient's dtype: an explicit grad_dtype (None: the reduction's), else the parameter's.
+
+        [Note: grad_dtype]
+        torch 2.15's ``Tensor.grad_dtype`` on a parameter asks for gradients of another
+        dtype than its own (bf16 weights with fp32 gradients for a mixed-precision
+        optimizer), and FSDP2 2.15 honours it: the reduction runs in ``reduce_dtype``,
+        else in the promotion of the parameters' gradient dtypes, and each sharded
+        gradient is cast to its parameter's ``grad_dtype`` (left in the reduction's dtype
+        where it is None). Here the all-gather's backward casts to those dtypes
+        (``AllGatherPart.grad_dtypes``), and the shard, the leaf the gradient reaches, and
+        the sharded parameter carry the ``grad_dtype``, kept across ``_apply``. A compiled
+        backward returns each input's gradient in the input's own dtype, so a
+        ``grad_dtype`` wider than its parameter's would arrive rounded: compiling such a
+        model raises instead (docs/api.md).
+        """
+        explicit, dtype = self.grad_dtype_policy
+        if not explicit:
+            return self.sharded_param.dtype
+        return reduction_dtype if dtype is None else dtype
+
     def all_gather_shard(self, requires_grad: bool) -> torch.Tensor:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient, on the mesh's device.
 
@@ -573,20 +605,35 @@ class FSDPParam:
     def _mark_used(self, grad: torch.Tensor) -> None:
         self.used_since_reduction = True
 
+    def reduced_gradient_if_used(self, shard_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """An eager all-gather's reduced gradient for this parameter: None where no forward used it since the last.
+
+        ([Note: unused parameters] in passes.unused_params.) Called as the all-gather's
+        backward hands it on, so that it judges that gather's reduction alone: a compiled
+        backward's gradient for the same parameter (an eager call of a module beside a
+        compiled forward) joins it later, in the shard's accumulation.
+        """
+        if shard_grad is None:  # accumulated without sync: nothing reduced yet
+            return None
+        used, self.used_since_reduction = self.used_since_reduction, None
+        if used is not False:
+            return shard_grad
+        if shard_grad.any():
+            raise RuntimeError(
+                f"fully_shard: parameter {self.fqn!r} was not used by this rank's forward, yet its reduced "
+                "gradient is not zero: another rank used it. As in FSDP2, every rank must use the same "
+                "parameters, or call set_reduce_scatter_unused_params(True) on the module so that an "
+                "unused parameter gets a zero gradient"
+            )
+        return None
+
     def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         grad, shard.grad = shard.grad, None
-        if grad is None:  # a compiled backward's None for a parameter frozen in the graph
-            return
-        used, self.used_since_reduction = self.used_since_reduction, None
-        if used is False:
-            if grad.any():
-                raise RuntimeError(
-                    f"fully_shard: parameter {self.fqn!r} was not used by this rank's forward, yet its reduced "
-                    "gradient is not zero: another rank used it. As in FSDP2, every rank must use the same "
-                    "parameters, or call set_reduce_scatter_unused_params(True) on the module so that an "
-                    "unused parameter gets a zero gradient"
-                )
-            return
+        if grad is not None:  # None: a compiled backward's for a parameter frozen in the graph
+            self.accumulate_sharded_grad(grad)
+
+    def accumulate_sharded_grad(self, grad: torch.Tensor) -> None:
+        """Sets or adds the reduced gradient of ``shard`` into the sharded parameter's ``.grad``, then its hooks."""
         param, grad = self.sharded_param, self.rows_of(grad)
         if param.grad is None:
             param.grad = _sharded_dtensor(grad, self.sharded_mesh, self.placements, param.shape, param.stride())
@@ -757,6 +804,7 @@ class FSDPParam:
         ops.set_(local_tensor, self.rows_of(padded[: self.shard_rows]))
         self.padded_shard = padded
         self.shard = self._new_shard()
+        self.apply_grad_dtype_policy()
 
 
 def share_slots(fsdp_params: list[FSDPParam]) -> tuple[list[torch.Tensor | None], list[bool | None]]:

@@ -21,6 +21,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from compile_shard import fully_shard
 from dist_utils import FakeProcessGroup, run_gloo
 
+
 SHARDS = {"torch": torch_fully_shard, "ours": fully_shard}
 
 
@@ -36,6 +37,32 @@ def _raised(call) -> BaseException | None:
     except Exception as error:  # noqa: BLE001: the test compares the type
         return error
     return None
+
+
+def _sharded_pair(base, shard_model, backend=None):
+    """Copies of ``base`` sharded by ``shard_model(model, shard)`` with torch's and compile_shard's ``fully_shard``;
+    and what runs each: compile_shard's compiled with ``backend``, where one is given, torch's eager (the oracle)."""
+    models, runs = {}, {}
+    for name, shard in SHARDS.items():
+        model = copy.deepcopy(base)
+        shard_model(model, shard)
+        models[name] = model
+        runs[name] = model if backend is None or name == "torch" else torch.compile(model, backend=backend)
+    return models, runs
+
+
+def _assert_gradients_like_torch(models, atol=0.0) -> None:
+    """Every local gradient of compile_shard's model equals torch FSDP2's (within ``atol``: 0 in eager)."""
+    for (fqn, ours), theirs in zip(models["ours"].named_parameters(), models["torch"].parameters(), strict=True):
+        assert ours.grad.dtype == theirs.grad.dtype, (fqn, ours.grad.dtype, theirs.grad.dtype)
+        torch.testing.assert_close(ours.grad.to_local(), theirs.grad.to_local(), rtol=0, atol=atol, msg=fqn)
+
+
+def _step(optimizers) -> None:
+    for optimizer in optimizers.values():
+        optimizer.step()
+        optimizer.zero_grad()
+
 
 
 # A weight tied between groups ---------------------------------------------------------
@@ -230,6 +257,12 @@ def test_bad_input_raises_torch_fsdp2s_exception_type(fake_pg, case):
     call, expected = BAD_INPUT[case]
     for shard in SHARDS.values():
         assert type(_raised(lambda: call(shard))) is expected
+
+
+def test_an_empty_list_is_a_type_error_where_torch_fsdp2_fails_indexing_it(fake_pg):
+    """A documented difference (docs/api.md): FSDP2 fails inside, compile_shard names the argument."""
+    assert type(_raised(lambda: torch_fully_shard([]))) is IndexError
+    assert type(_raised(lambda: fully_shard([]))) is TypeError
 
 
 def test_a_2d_mesh_without_dim_names_raises_torch_fsdp2s_exception_type():
@@ -489,3 +522,428 @@ def _two_tensor_worker(rank, world_size, patched_after_fully_shard):
 @pytest.mark.parametrize("patched_after_fully_shard", [False, True], ids=["plain", "extension_set_after"])
 def test_tensor_subclass_parameters_initialized_on_meta_train_as_with_torch_fsdp2(patched_after_fully_shard):
     run_gloo(_two_tensor_worker, 2, patched_after_fully_shard)
+
+
+# Several forwards before one backward, activation checkpointing ---------------------------
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, 2 * dim)
+        self.w2 = nn.Linear(2 * dim, dim)
+        self.w3 = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention = nn.Linear(dim, dim)
+        self.feed_forward = _FeedForward(dim)
+
+    def forward(self, x):
+        h = x + self.attention(x)
+        return h + self.feed_forward(h)
+
+
+class _Stack(nn.Module):
+    """Blocks between an input and an output projection; ``checkpointed`` wraps each block's call."""
+
+    def __init__(self, dim: int = 8, blocks: int = 3, checkpointed: bool = False):
+        super().__init__()
+        self.input = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(_Block(dim) for _ in range(blocks))
+        self.output = nn.Linear(dim, 4)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.input(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.output(x)
+
+
+def _shard_stack(model: _Stack, shard, recipe: str, reshard_after_forward: bool) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for index, block in enumerate(model.blocks):
+        if "nested" in recipe:
+            shard(block.feed_forward.w1, reshard_after_forward=reshard_after_forward)
+        if "wrapper" in recipe:
+            block = model.blocks[index] = checkpoint_wrapper(block)
+        shard(block, reshard_after_forward=reshard_after_forward)
+    shard(model)
+    if "prefetch" in recipe:
+        blocks = list(model.blocks)
+        for block, previous in zip(blocks[1:], blocks):
+            block.set_modules_to_backward_prefetch([previous])
+        for block in blocks:  # inside the checkpointed block: its nested group
+            inner = block._checkpoint_wrapped_module if "wrapper" in recipe else block
+            if "nested" in recipe:
+                block.set_modules_to_backward_prefetch([inner.feed_forward.w1])
+
+
+def _two_forwards_worker(rank, world_size, recipe, reshard_after_forward, backend):
+    torch.manual_seed(0)
+    base = _Stack(checkpointed="checkpoint" in recipe)
+    models, runs = _sharded_pair(
+        base, lambda model, shard: _shard_stack(model, shard, recipe, reshard_after_forward), backend
+    )
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
+    for step in range(2):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        chosen, rejected = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+        losses = {}
+        for name, run in runs.items():
+            # Two forwards, one backward through both (DPO's chosen and rejected answers).
+            loss = torch.nn.functional.logsigmoid(run(chosen).sum(-1) - run(rejected).sum(-1)).mean()
+            loss.backward()
+            losses[name] = loss.detach()
+        atol = 0 if backend is None else 1e-6
+        torch.testing.assert_close(losses["ours"], losses["torch"], rtol=0, atol=atol)
+        _assert_gradients_like_torch(models, atol)
+        _step(optimizers)
+
+
+@pytest.mark.parametrize(
+    "recipe, reshard_after_forward, backend",
+    [
+        ("plain", True, None),
+        ("checkpoint", True, None),
+        ("checkpoint+nested", True, None),
+        ("wrapper+nested", True, None),
+        ("wrapper+nested+prefetch", True, None),
+        ("checkpoint+nested", False, None),
+        ("checkpoint+nested", True, "aot_eager"),
+    ],
+)
+def test_two_forwards_before_one_backward_with_checkpointing_train_as_torch_fsdp2(
+    recipe, reshard_after_forward, backend
+):
+    """FSDP2 reduces the sum of both forwards' gradients once per group; a group nested in a checkpointed block
+    recomputes with the parameters its forward gathered. Bitwise in eager; compiled within the reduction's rounding.
+    """
+    run_gloo(_two_forwards_worker, 2, recipe, reshard_after_forward, backend)
+
+
+# A chunked loss: a list's member called on its own --------------------------------------------
+
+
+class _ChunkedHead(nn.Module):
+    """A language model whose forward stops at the final norm: the output layer runs per chunk of the loss
+    (torchtitan's chunked cross-entropy), or, with ``full``, inside the forward too."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, full: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.full = full
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        h = self.norm(h)
+        return self.output(h) if self.full else h
+
+
+def _chunked_step(model, run, tokens, targets, pattern):
+    cross_entropy = torch.nn.functional.cross_entropy
+    chunks = 2
+    if pattern == "grouped_then_member":
+        logits = run(tokens)
+        loss = cross_entropy(logits.flatten(0, 1), targets.flatten())
+        auxiliary = model.output(torch.ones(2, 8)).square().mean()  # the list's member on its own
+        (loss + auxiliary).backward()
+        return loss.detach()
+    hidden = run(tokens)
+    total = torch.zeros(())
+    if pattern == "detached_chunks":  # torchtitan's: a backward per chunk through the head, then the trunk
+        detached = hidden.detach().requires_grad_()
+        for h, t in zip(detached.chunk(chunks, dim=1), targets.chunk(chunks, dim=1)):
+            loss = cross_entropy(model.output(h).flatten(0, 1), t.flatten(), reduction="sum") / targets.numel()
+            loss.backward()
+            total += loss.detach()
+        hidden.backward(detached.grad)
+    else:  # a backward per chunk through everything, the graph retained
+        for index, (h, t) in enumerate(zip(hidden.chunk(chunks, dim=1), targets.chunk(chunks, dim=1))):
+            loss = cross_entropy(model.output(h).flatten(0, 1), t.flatten(), reduction="sum") / targets.numel()
+            loss.backward(retain_graph=index < chunks - 1)
+            total += loss.detach()
+    return total
+
+
+def _chunked_worker(rank, world_size, pattern, reshard_after_forward, backend):
+    torch.manual_seed(0)
+
+    def shard_model(model, shard):
+        for block in model.blocks:
+            shard(block)
+        shard([model.norm, model.output], reshard_after_forward=reshard_after_forward)
+        shard(model)
+
+    models, runs = _sharded_pair(_ChunkedHead(full=pattern == "grouped_then_member"), shard_model, backend)
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
+    atol = 0 if backend is None else 1e-6
+    for step in range(3):
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        tokens, targets = torch.randint(0, 16, (2, 8), generator=generator), torch.randint(0, 16, (2, 8), generator=generator)
+        losses = {name: _chunked_step(models[name], runs[name], tokens, targets, pattern) for name in SHARDS}
+        torch.testing.assert_close(losses["ours"], losses["torch"], rtol=0, atol=atol)
+        _assert_gradients_like_torch(models, atol)
+        _step(optimizers)
+
+
+@pytest.mark.parametrize(
+    "pattern, reshard_after_forward, backend",
+    [
+        ("detached_chunks", True, None),
+        ("retained_chunks", True, None),
+        ("grouped_then_member", True, None),
+        ("grouped_then_member", False, None),
+        ("detached_chunks", True, "aot_eager"),
+        ("retained_chunks", True, "aot_eager"),
+        ("grouped_then_member", True, "aot_eager"),
+    ],
+)
+def test_a_lists_member_called_on_its_own_trains_as_torch_fsdp2(pattern, reshard_after_forward, backend):
+    """fully_shard([norm, output]): a forward that runs only the norm, then the output per chunk of the loss
+    with a backward each; or the whole forward, then the output once more. Eager bitwise; compiled (the
+    trunk compiled, the member's calls eager) within the reduction's rounding."""
+    run_gloo(_chunked_worker, 2, pattern, reshard_after_forward, backend)
+
+
+# Dtypes settled at the first forward ---------------------------------------------------------
+
+
+def _dtype_worker(rank, world_size, case):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    built, trained, policy = {
+        "bf16_built_fp32_trained": (torch.bfloat16, torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+        "bf16_built_fp32_trained_fp32_reduce": (
+            torch.bfloat16,
+            torch.float32,
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        ),
+        "reduce_dtype_clamped": (
+            torch.bfloat16,
+            torch.float32,
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+        ),
+        "fp32_built_bf16_trained": (torch.float32, torch.bfloat16, MixedPrecisionPolicy()),
+    }[case]
+    torch.manual_seed(0)
+
+    def shard_model(model, shard):
+        shard(model[2], mp_policy=policy)
+        shard(model, mp_policy=policy)
+        model.to(trained)  # after fully_shard, before the first forward: FSDP2's lazy init sees it
+
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4)).to(built)
+    models, _ = _sharded_pair(base, shard_model)
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1) for name, model in models.items()}
+    for step in range(2):
+        for micro_batch in range(2):  # accumulated without sync, then reduced with it
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro_batch + rank))
+            for model in models.values():
+                model.set_requires_gradient_sync(micro_batch == 1)
+                model(inputs.to(trained)).float().square().mean().backward()
+        assert all(param.grad.dtype == trained for param in models["ours"].parameters())
+        _assert_gradients_like_torch(models)
+        _step(optimizers)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bf16_built_fp32_trained", "bf16_built_fp32_trained_fp32_reduce", "reduce_dtype_clamped", "fp32_built_bf16_trained"],
+)
+def test_a_dtype_changed_after_fully_shard_trains_as_torch_fsdp2(case):
+    """FSDP2 settles its dtypes at the first forward: a model cast after fully_shard trains in the new dtype, its
+    policy clamped against it, gradients accumulated without sync in the reduction's dtype."""
+    run_gloo(_dtype_worker, 2, case)
+
+
+# torch 2.15's manual backward finalization --------------------------------------------------
+
+needs_torch_2_15 = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp.FSDPModule, "finalize_backward"),
+    reason=f"FSDP2's manual backward finalization is torch 2.15's; this is torch {torch.__version__}",
+)
+
+
+def _manual_finalization_worker(rank, world_size, backend, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed_precision else MixedPrecisionPolicy()
+    torch.manual_seed(0)
+
+    def shard_model(model, shard):
+        for block in model.blocks:
+            shard(block, mp_policy=policy)
+        shard(model, mp_policy=policy)
+        model.set_manual_backward_finalization(True)
+
+    models, runs = _sharded_pair(_Stack(), shard_model, backend)
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
+    atol = 0 if backend is None else 1e-6
+    for step in range(2):
+        for name, model in models.items():
+            model.set_requires_gradient_sync(False)
+            for micro_batch in range(3):  # every backward accumulates; the reduction waits for finalize_backward
+                inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro_batch + rank))
+                runs[name](inputs).float().square().mean().backward()
+            assert all(param.grad is None for param in model.parameters())
+            model.set_requires_gradient_sync(True)
+            model.finalize_backward(async_op=True).wait()
+        _assert_gradients_like_torch(models, atol)
+        _step(optimizers)
+
+
+@needs_torch_2_15
+@pytest.mark.parametrize(
+    "backend, mixed_precision", [(None, False), (None, True), ("aot_eager", False)], ids=["eager", "bf16", "compiled"]
+)
+def test_manual_backward_finalization_reduces_a_micro_batch_loop_as_torch_fsdp2(backend, mixed_precision):
+    run_gloo(_manual_finalization_worker, 2, backend, mixed_precision)
+
+
+@needs_torch_2_15
+def test_finalize_backward_refuses_what_torch_fsdp2_refuses(fake_pg):
+    for shard in SHARDS.values():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        shard(model[0])
+        shard(model)
+        model.finalize_backward()  # before the first forward: nothing to do
+        model(torch.randn(2, 4)).sum().backward()
+        assert type(_raised(lambda: model[0].set_manual_backward_finalization(True))) is RuntimeError  # not the root
+        assert type(_raised(lambda: model.finalize_backward())) is RuntimeError  # automatic finalization
+
+
+# torch 2.15's grad_dtype ------------------------------------------------------------------------
+
+needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "_has_grad_dtype_override"),
+    reason=f"a parameter's grad_dtype is torch 2.15's (FSDP2 reads it from then); this is torch {torch.__version__}",
+)
+
+
+GRAD_DTYPES = {
+    # name: (parameter dtype, grad_dtype, policy's param_dtype, policy's reduce_dtype)
+    "bf16_parameters_fp32_gradients": (torch.bfloat16, torch.float32, None, None),
+    "fp32_parameters_bf16_gradients": (torch.float32, torch.bfloat16, None, None),
+    "gradients_in_the_reduction_dtype": (torch.bfloat16, None, None, torch.float32),
+    "bf16_compute_fp32_gradients": (torch.float32, torch.float32, torch.bfloat16, None),
+}
+
+
+def _grad_dtype_worker(rank, world_size, case, backend):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype, grad_dtype, param_dtype, reduce_dtype = GRAD_DTYPES[case]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    torch.manual_seed(0)
+
+    def shard_model(model, shard):
+        for param in model.parameters():
+            param.grad_dtype = grad_dtype
+        shard(model[2], mp_policy=policy)
+        shard(model, mp_policy=policy)
+
+    models, runs = _sharded_pair(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype), shard_model, backend)
+    for step in range(2):
+        for micro_batch in range(2):
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro_batch + rank))
+            for name, model in models.items():
+                model.set_requires_gradient_sync(micro_batch == 1)
+                runs[name](inputs.to(dtype)).float().square().mean().backward()
+        _assert_gradients_like_torch(models)
+        for model in models.values():
+            model.zero_grad()
+
+
+@needs_grad_dtype
+@pytest.mark.parametrize("case", GRAD_DTYPES)
+def test_a_parameters_grad_dtype_is_honoured_as_torch_fsdp2_honours_it(case):
+    run_gloo(_grad_dtype_worker, 2, case, None)
+
+
+@needs_grad_dtype
+def test_a_narrower_grad_dtype_compiles_as_torch_fsdp2_trains_it():
+    run_gloo(_grad_dtype_worker, 2, "fp32_parameters_bf16_gradients", "aot_eager")
+
+
+@needs_grad_dtype
+def test_compiling_a_grad_dtype_wider_than_its_parameter_raises_naming_it(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(torch.bfloat16)
+    model[1].weight.grad_dtype = torch.float32
+    fully_shard(model)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()  # eagerly it trains
+    with pytest.raises(RuntimeError, match=r"'1.weight' of fully_shard\('Sequential'\) take gradients wider"):
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+# torch 2.15's unsharded storage kept across reshards -----------------------------------------
+
+
+def _unsharded_storage(model) -> list[tuple[int, int]]:
+    """Each registered unsharded parameter's storage address and size, after unshard()."""
+    model.unshard()
+    for module in model.modules():
+        if module is not model and isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.unshard()
+    return [(param.untyped_storage().data_ptr(), param.untyped_storage().nbytes()) for param in model.parameters()]
+
+
+def _kept_storage_worker(rank, world_size, keep):
+    torch.manual_seed(0)
+    base = _Stack(blocks=2)
+    models, addresses, registered = {}, {}, {}
+    for name, shard in SHARDS.items():
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+        model.set_keep_unsharded_storage(keep)
+        models[name] = model
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
+    for step in range(3):
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))
+        for name, model in models.items():
+            model(inputs).square().mean().backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            addresses.setdefault(name, []).append(_unsharded_storage(model))
+            registered[name] = list(model.parameters())
+            for module in model.modules():
+                if isinstance(module, torch.distributed.fsdp.FSDPModule):
+                    module.reshard()
+            # What a reshard leaves of the unsharded parameters' storage: all of it where it is kept.
+            assert all((param.untyped_storage().nbytes() > 0) is keep for param in registered[name]), name
+    if keep:  # the same storage at every step
+        for name in SHARDS:
+            assert all(step == addresses[name][0] for step in addresses[name]), name
+    for ours, theirs in zip(models["ours"].parameters(), models["torch"].parameters(), strict=True):
+        torch.testing.assert_close(ours.to_local(), theirs.to_local(), rtol=0, atol=0)
+
+
+@needs_torch_2_15
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "freed"])
+def test_unsharded_storage_kept_across_reshards_keeps_its_addresses_as_in_torch_fsdp2(keep):
+    run_gloo(_kept_storage_worker, 2, keep)
+
+
+@needs_torch_2_15
+def test_compiling_with_unsharded_storage_kept_raises(fake_pg):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model)
+    model.set_keep_unsharded_storage(True)
+    with pytest.raises(RuntimeError, match=r"keeps its unsharded storage across reshards"):
+        torch.compile(model, backend="aot_eager")(torch.randn(2, 4))

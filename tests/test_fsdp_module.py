@@ -774,23 +774,18 @@ needs_torch_2_15_fsdp2 = pytest.mark.skipif(
 )
 
 
-def test_settings_compile_shard_cannot_honour_are_refused_naming_the_alternative(fake_pg):
+def test_manual_backward_finalization_is_set_on_the_root(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig())
-    model.set_keep_unsharded_storage(False)
-    with pytest.raises(NotImplementedError, match=r"set_keep_unsharded_storage\(True\): .* frees unsharded"):
-        model.set_keep_unsharded_storage(True)
-    model.set_manual_backward_finalization(False)
-    with pytest.raises(NotImplementedError, match=r"set_requires_gradient_sync\(False\) instead"):
-        model.set_manual_backward_finalization(True)
     with pytest.raises(RuntimeError, match="must be called on the root fully_shard module, not on TransformerBlock"):
         model.layers[0].set_manual_backward_finalization(False)
 
 
 def _finalize_worker(rank, world_size):
-    """FSDP2 finalizes by hand, compile_shard has finalized already: the same gradients after ``finalize_backward``."""
+    """Both finalize by hand after a backward with sync: the same gradients after ``finalize_backward``."""
     ours, _ = build_sharded_llama(LlamaConfig())
     theirs, _ = build_sharded_llama(LlamaConfig(), shard=torch_fully_shard)
-    theirs.set_manual_backward_finalization(True)
+    for model in (ours, theirs):
+        model.set_manual_backward_finalization(True)
     tokens = global_batch(0, world_size, 2, 8, LlamaConfig().vocab_size)[2 * rank : 2 * rank + 2]
     for model in (ours, theirs):
         lm_loss(model, tokens).backward()
@@ -804,14 +799,3 @@ def _finalize_worker(rank, world_size):
 @needs_torch_2_15_fsdp2
 def test_finalize_backward_leaves_torch_fsdp2s_gradients():
     run_gloo(_finalize_worker, 2)
-
-
-@pytest.mark.skipif(
-    not hasattr(torch.Tensor, "_has_grad_dtype_override"),
-    reason="torch FSDP2 reads a parameter's grad_dtype from torch 2.15 (2.13's and 2.14's ignore it)",
-)
-def test_a_parameter_with_a_grad_dtype_is_refused_naming_it(fake_pg):
-    linear = nn.Linear(4, 4).to(torch.bfloat16)
-    linear.weight.grad_dtype = torch.float32
-    with pytest.raises(NotImplementedError, match=r"parameter 'weight' has grad_dtype=torch.float32"):
-        fully_shard(linear)

@@ -190,7 +190,10 @@ def test_golden_graphs_with_hsdp(mesh_shape, tmp_path):
     """HSDP: each reduce-scatter over the shard dimension, then an all-reduce over the replicate dimension."""
     world_size = mesh_shape[0] * mesh_shape[1]
     name = f"mlp3_uneven_hsdp_{mesh_shape[0]}x{mesh_shape[1]}_reshard"
-    _assert_golden(name, _staged_graphs(_mlp, world_size, True, tmp_path, mesh_shape=mesh_shape))
+    graphs = _staged_graphs(
+        _mlp, world_size, True, tmp_path, mesh_shape=mesh_shape, mesh_dim_names=("replicate", "shard")
+    )
+    _assert_golden(name, graphs)
 
 
 def test_golden_graphs_with_tensor_parallel_blocks(tmp_path):

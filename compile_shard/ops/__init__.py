@@ -55,6 +55,7 @@ from .all_gather import (
     copy_in,
     copy_out,
     post_forward_chunk,
+    reduce_accumulated_grad,
 )
 from .backend import allocates_comm_tensors, gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
@@ -89,6 +90,7 @@ __all__ = [
     "all_to_all_into_",
     "gathers_as_bytes",
     "gathers_by_send_recv",
+    "reduce_accumulated_grad",
     "reduce_scatter_grad",
     "reduce_scatter_input",
     "reduce_scatter_input_into_",

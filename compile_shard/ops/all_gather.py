@@ -8,6 +8,7 @@ replaces a group's copy-in, all-gather and copy-out in gloo's compiled graphs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ _REDUCTION_OPTIONS = (
     "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
     "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
     "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None, str? all_reduce_hook=None, "
-    "str? all_gather_comm=None, str? reduce_scatter_comm=None"
+    "str? all_gather_comm=None, str? reduce_scatter_comm=None, str? grad_dtypes=None"
 )
 _lib.define(
     f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
@@ -120,6 +121,7 @@ class _Options:
     all_reduce_hook: str | None = None
     all_gather_comm: str | None = None
     reduce_scatter_comm: str | None = None
+    grad_dtypes: str | None = None
 
 
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
@@ -151,11 +153,16 @@ def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *option
 def _all_gather_into_setup_context(ctx, inputs, output):
     shards, padded_numels, world_size, group_name, *options = inputs
     ctx.shard_shapes = [shard.shape for shard in shards]
-    ctx.shard_dtypes = [shard.dtype for shard in shards]
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
     ctx.options = _Options(*options)
+    # torch 2.15's grad_dtype: the sharded gradients' dtypes, named (``grad_dtypes``), else the shards'.
+    ctx.shard_dtypes = (
+        [shard.dtype for shard in shards]
+        if ctx.options.grad_dtypes is None
+        else [getattr(torch, name) for name in ctx.options.grad_dtypes.split(",")]
+    )
 
 
 def _all_gather_into_backward(ctx, all_gather_output_grad):
@@ -213,7 +220,10 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
     if not options.reduce_grads:
         options.accumulated_grad.add_(unsharded_grad)
         return no_gradients
-    if options.accumulated_grad is not None:
+    # A backward that runs again (a backward per chunk of a loss) reduces its own gradient only:
+    # what earlier steps accumulated is reduced once, by the first.
+    if options.accumulated_grad is not None and not getattr(ctx, "reduced_accumulated_grad", False):
+        ctx.reduced_accumulated_grad = True
         unsharded_grad = unsharded_grad + options.accumulated_grad
     if options.premul_factor != 1.0:
         unsharded_grad = unsharded_grad * options.premul_factor
@@ -227,7 +237,8 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         if not options.all_reduce_grads:
             options.partial_reduce_output.add_(sharded_grad)
             return no_gradients
-        if options.partial_reduce_output is not None:
+        if options.partial_reduce_output is not None and not getattr(ctx, "reduced_partial_output", False):
+            ctx.reduced_partial_output = True
             sharded_grad = sharded_grad + options.partial_reduce_output
         funcol = torch.ops._c10d_functional
         reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
@@ -236,7 +247,7 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         torch.ops.fsdp.call_all_reduce_hook_(sharded_grad, options.all_reduce_hook)
     if options.postdivide_factor != 1.0:
         sharded_grad = sharded_grad / options.postdivide_factor
-    if len(set(ctx.shard_dtypes)) == 1:
+    if len(set(ctx.shard_dtypes)) == 1 and ctx.shard_dtypes[0] is not None:
         sharded_grad = sharded_grad.to(ctx.shard_dtypes[0])
     return [
         _shard_grad(padded_grad, shape, dtype)
@@ -244,6 +255,43 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
             sharded_grad.split(list(ctx.padded_numels)), ctx.shard_shapes, ctx.shard_dtypes
         )
     ]
+
+
+def reduce_accumulated_grad(
+    accumulated_grad: torch.Tensor,
+    shards: Sequence[torch.Tensor],
+    padded_numels: Sequence[int],
+    world_size: int,
+    group_name: str,
+    *options,
+) -> list[torch.Tensor | None]:
+    """The shards' gradients from a buffer of gradients accumulated without sync, reduced outside any backward.
+
+    FSDP2's ``finalize_backward`` (torch 2.15) with sync turned back on: what ``all_gather_into``'s
+    backward would reduce with ``accumulated_grad`` and no gradient of its own, in the same ops
+    (``options``: the group's, as a gathering passes them; the accumulation ones are ignored).
+    """
+    ctx = _ReductionContext(
+        shard_shapes=[shard.shape for shard in shards],
+        shard_dtypes=[shard.dtype for shard in shards],
+        padded_numels=padded_numels,
+        world_size=world_size,
+        group_name=group_name,
+        options=dataclasses.replace(_Options(*options), accumulated_grad=None, reduce_grads=True),
+    )
+    return reduce_unsharded_grad(ctx, accumulated_grad)
+
+
+@dataclass
+class _ReductionContext:
+    """What ``reduce_unsharded_grad`` reads of an autograd context, for a reduction outside autograd."""
+
+    shard_shapes: list[torch.Size]
+    shard_dtypes: list[torch.dtype]
+    padded_numels: Sequence[int]
+    world_size: int
+    group_name: str
+    options: _Options
 
 
 def _shard_grad(padded_grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -255,7 +303,7 @@ def _shard_grad(padded_grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype
     if padded_grad.numel() != shape.numel():
         padded_grad = padded_grad[: shape.numel()]
     grad = padded_grad.view(shape)
-    return grad if grad.dtype == dtype else grad.to(dtype)
+    return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
 
 
 # The all-reduce hook -----------------------------------------------------------------
