@@ -242,9 +242,10 @@ class FSDPState:
                         group.guard_requires_grad()
             return shown, args, kwargs
         if self.is_root:
-            for state in self.subtree_states:
-                if state.group is not None:
-                    state.group.start_iteration()
+            with torch.profiler.record_function("FSDP::root_pre_forward"):
+                for state in self.subtree_states:
+                    if state.group is not None:
+                        state.group.start_iteration()
         if self.group is not None:
             self.group.pre_forward()
             args, kwargs = self.group.register_post_backward_on_inputs(args, kwargs)
@@ -284,9 +285,10 @@ class FSDPState:
 
     def _root_post_backward_final_callback(self) -> None:
         self._final_callback_queued = False
-        for state in self.subtree_states:
-            if state.group is not None:
-                state.group.finalize_backward()
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            for state in self.subtree_states:
+                if state.group is not None:
+                    state.group.finalize_backward()
 
 
 @torch._dynamo.disable(recursive=True)

@@ -245,6 +245,24 @@ class TrainingState(enum.Enum):
     PRE_BACKWARD = enum.auto()
 
 
+def _profiled(phase: str) -> Callable:
+    """Records a group's eager phase for the profiler as FSDP2 names it: ``FSDP::<phase> (<group>)``.
+
+    A trace of an eager compile_shard run then reads like FSDP2's (docs/debugging.md,
+    "Profiling"). The methods it wraps run eagerly only, never in a trace.
+    """
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def recorded(self: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(f"FSDP::{phase} ({self.module_name})"):
+                return method(self, *args, **kwargs)
+
+        return recorded
+
+    return decorate
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread (FSDP2's ``is_bw``)."""
     return torch._C._current_graph_task_id() != -1
@@ -1080,6 +1098,7 @@ class FSDPParamGroup:
                 return unsharded
         return None
 
+    @_profiled("all_gather")
     def _gather_for_forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The unsharded parameters and their all-gather outputs: the ones kept after backward, or gathered now."""
         if self.kept_after_backward is not None:
@@ -1174,6 +1193,7 @@ class FSDPParamGroup:
             self.unsharded.free()
             self.unsharded = None
 
+    @_profiled("all_gather")
     def _refill(self, unsharded: UnshardedParams) -> None:
         with torch.no_grad():
             if unsharded.post_forward_chunks is not None:
@@ -1228,6 +1248,7 @@ class FSDPParamGroup:
     def hide_traced_unsharded_params(self) -> None:
         self.shown_params[:] = [None] * len(self.shown_params)
 
+    @_profiled("pre_forward")
     def pre_forward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # activation-checkpoint recompute: parameters are already unsharded
@@ -1249,8 +1270,10 @@ class FSDPParamGroup:
         self.training_state = TrainingState.FORWARD
         self.unshard()
         for group in self.forward_prefetch:
-            group.unshard()
+            with torch.profiler.record_function(f"FSDP::forward_prefetch for {group.module_name}"):
+                group.unshard()
 
+    @_profiled("post_forward")
     def post_forward(self, output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return output
@@ -1332,14 +1355,22 @@ class FSDPParamGroup:
         holds the graph.
         """
         group_ref, unsharded_ref = weakref.ref(self), weakref.ref(unsharded)
+        # FSDP2's profiler range around the reduction, which the all-gather's backward runs (``_profiled``).
+        reduction = torch.profiler.record_function(f"FSDP::post_backward_reduce ({self.module_name})")
+
+        def pre_hook(grad_outputs):
+            reduction.__enter__()
 
         def hook(grad_inputs, grad_outputs):
+            reduction.__exit__(None, None, None)
             group, live = group_ref(), unsharded_ref()
             if group is not None and live is not None:
                 group.post_backward(live)
 
+        unsharded.all_gather_node.register_prehook(pre_hook)
         unsharded.all_gather_node.register_hook(hook)
 
+    @_profiled("pre_backward")
     def pre_backward(self, unsharded: UnshardedParams) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD and self.unsharded is unsharded:
             return
@@ -1355,7 +1386,8 @@ class FSDPParamGroup:
                 fsdp_param.show_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
         for group in self.backward_prefetch:
-            group.prefetch_for_backward()
+            with torch.profiler.record_function(f"FSDP::backward_prefetch for {group.module_name}"):
+                group.prefetch_for_backward()
 
     def prefetch_for_backward(self) -> None:
         """Re-gathers, ahead of its own backward, the parameters the group's latest forward freed."""
@@ -1366,6 +1398,7 @@ class FSDPParamGroup:
                     self._refill(unsharded)
                 return
 
+    @_profiled("post_backward_reshard")
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         if (

@@ -947,3 +947,40 @@ def test_compiling_with_unsharded_storage_kept_raises(fake_pg):
     model.set_keep_unsharded_storage(True)
     with pytest.raises(RuntimeError, match=r"keeps its unsharded storage across reshards"):
         torch.compile(model, backend="aot_eager")(torch.randn(2, 4))
+
+
+# Profiler ranges ----------------------------------------------------------------------------
+
+
+def _profiled_phases(model) -> dict[str, set[str]]:
+    """The FSDP2 ranges an eager step records: each phase with the groups it was recorded for."""
+    from torch.profiler import profile
+
+    with profile() as profiler:
+        model(torch.randn(2, 4)).sum().backward()
+    phases: dict[str, set[str]] = {}
+    for event in profiler.events():
+        if event.name.startswith("FSDP::"):
+            phase, _, group = event.name.removeprefix("FSDP::").partition(" ")
+            phases.setdefault(phase, set()).add(group)
+    return phases
+
+
+def _profiler_worker(rank, world_size):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8)), nn.Linear(8, 2))
+    phases = {}
+    for name, shard in SHARDS.items():
+        model = copy.deepcopy(base)
+        shard(model[2])
+        shard(model)
+        phases[name] = _profiled_phases(model)
+    core = {"root_pre_forward", "pre_forward", "all_gather", "post_forward", "pre_backward", "post_backward_reduce"}
+    core |= {"post_backward_reshard", "root_post_backward_callback"}
+    assert core <= set(phases["ours"]) <= set(phases["torch"]), (phases["ours"], phases["torch"])
+    assert phases["ours"]["post_backward_reduce"] == {"(2)", "(Sequential)"}  # each group's reduction, named
+
+
+def test_an_eager_step_records_torch_fsdp2s_profiler_ranges():
+    """A profile of an eager step reads like FSDP2's: its range names around the same phases, per group."""
+    run_gloo(_profiler_worker, 2)
