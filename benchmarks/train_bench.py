@@ -119,7 +119,6 @@ from torch.nn.parallel.distributed import _MixedPrecision as _DDPMixedPrecision
 
 import compile_shard.passes
 from compile_shard._collectives import KINDS, node_collective
-from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
 from compile_shard.ops.rank_check import _state as rank_check_state
@@ -978,11 +977,6 @@ def _notes(report: dict) -> list[str]:
             f"{report['cost_profile']} profile for the compiled graphs (compile_shard modes only); "
             "projected s = median s + sim comm s"
         )
-    if not report["compile_regions_run"] and "cs_compiled" in report["modes"]:
-        notes.append(
-            f"cs_compiled inlined every block, as cs_compiled_inlined does: compile regions run on torch 2.13, "
-            f"this is torch {report['torch']}"
-        )
     no_overlap = report["modes"].get("cs_compiled_no_overlap")
     if no_overlap is not None:
         off = no_overlap["overlap_settings_off"]
@@ -1111,7 +1105,6 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "threads_per_process": threads,
         "torch": torch.__version__,
         # False: every compiled mode inlines its blocks, cs_compiled as cs_compiled_inlined.
-        "compile_regions_run": REGIONS_SUPPORTED,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
         "loss_reference": "n/a: the fake process group moves no data" if fake else "reference",
         "collective_kinds": list(COLLECTIVE_KINDS),

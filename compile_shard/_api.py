@@ -2,45 +2,51 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch._C._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.eval_frame import OptimizedModule, skip_code
 from torch._dynamo.types import FrameAction, FrameExecStrategy
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
+from torch.distributed.tensor import DTensor, Shard
 
 from . import ops
-from ._attribute_writes import CountsWrites, count_writes
-from ._group import FSDPParamGroup, ReshardGroup, in_backward
-from ._param import FSDPParam, ParamUsage, sharding_of
-from ._region import (
-    REGIONS_SUPPORTED,
-    accepts_region_call,
-    call_copied_out,
-    call_in_region,
-    compiling_gathered,
-    enters_gathered_as_views,
-    runs_outside_regions,
+from ._attribute_writes import CountsWrites
+from ._classes import subclass, user_class, user_class_name
+from ._group import FSDPParamGroup, in_backward
+from ._param import FSDPParam, ParamUsage
+from ._region import call_copied_out, call_in_region, compiling_gathered
+from ._init import (
+    as_module_list,
+    check_contiguous,
+    check_mesh,
+    check_policy_types,
+    check_spmd_params,
+    check_tensor_parallel_params,
+    chosen_shard_dim,
+    data_parallel_dims,
+    default_mesh,
+    managed_buffers,
+    managed_params,
+    move_to_mesh_device,
+    resolve_reshard_after_forward,
+    shard_memory,
+    smaller_reshard_group,
+    tensor_parallel_dims,
 )
-from ._gc_during_compile import defer_full_collections_while_compiling
-from ._versions import CompletedGradientReduction, GradientReductionHandle, warn_if_regions_cannot_run
+from ._state import STATE_ATTR, FSDPState, before_step, get_state, post_forward_eagerly, pre_forward_eagerly
+from ._versions import CompletedGradientReduction, GradientReductionHandle
 from .ops.rank_check import raise_for_a_peer_stop
 from .passes import install
-from .passes.settings import settings
 
 __all__ = ["FSDPModule", "fully_shard"]
 
-_STATE_ATTR = "_compile_shard_state"
 #: The entry under "fully_shard" in torch's composable-API registry, which ``replicate()`` and FSDP2
 #: read to leave a sharded subtree alone. One object for every call: a block's region signature
 #: compares the objects its modules hold (``_region.block_signature``).
@@ -49,349 +55,10 @@ _REGISTRY_ITEM = RegistryItem()
 _COMPILED_FORWARD_ATTR = "_compile_shard_compiled_forward"
 
 
-class FSDPState:
-    """State of one ``fully_shard`` call: the group, root duties, forward wrapping.
-
-    Shared by the modules of a list (``fully_shard([norm, output])``), whose group
-    they all read.
-    """
-
-    def __init__(
-        self,
-        modules: list[nn.Module],
-        mesh: DeviceMesh,
-        group: FSDPParamGroup | None,
-        reshard_after_forward: bool | None,
-        mp_policy: MixedPrecisionPolicy,
-    ):
-        self.modules = modules
-        self.module = modules[0]
-        self.mesh = mesh
-        self.group = group
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp_policy
-        self.is_root = True
-        self.lazy_initialized = False  # whether the root's first forward ran FSDP2's lazy-init steps
-        # FSDP2's set_manual_backward_finalization ([Note: manual backward finalization] in _group).
-        self.manual_backward_finalization = False
-        self.subtree_states: list[FSDPState] = []
-        self._final_callback_queued = False
-        self._shown_by_method: list[list[FSDPParamGroup]] = []
-        # For [Note: sharded blocks as nested compile regions]: the modules of a
-        # module whose subtree holds no other fully_shard module, else empty.
-        self.region_modules: list[nn.Module] = []
-        self.is_block = False  # whether ``region_modules`` lists any: a plain read, where the list is one per module
-        # The writes to the block's modules that Dynamo does not guard ([Note: a block's attribute writes are
-        # counted] in ``_attribute_writes``).
-        self.region_writes = 0
-
-    def region_changed(self) -> None:
-        """Lists the modules of a block traced as a compile region, and counts their writes.
-
-        Again after a submodule was added, replaced or deleted ([Note: a block's attribute
-        writes are counted] in ``_attribute_writes``).
-        """
-        self.region_modules = list(self.module.modules())
-        self.is_block = True
-        count_writes(self.region_modules, self)
-
-    def claim_root(self) -> None:
-        """Makes this state the root of every fully_shard state below it.
-
-        [Note: the root is known at fully_shard time]
-        FSDP2 picks the root lazily, at the first forward. Here the root is simply
-        the fully_shard module with no fully_shard ancestor: ``fully_shard`` is
-        applied bottom-up, so each call demotes the roots below it. Deciding it
-        eagerly keeps the first forward free of one-time Python side effects, which
-        a torch.compile trace would have to guard on (and recompile for on the
-        second step).
-        """
-        fqns: dict[int, str] = {}
-        names: dict[FSDPState, list[str]] = {}  # in module order; a list's state under each of its names
-        for top in self.modules:
-            fqns.update({id(param): fqn for fqn, param in top.named_parameters()})
-            for name, submodule in top.named_modules():
-                state = _get_state(submodule)
-                if state is not None:
-                    names.setdefault(state, []).append(name or _label(submodule))
-        self.subtree_states = list(names)
-        for state, state_names in names.items():
-            state.is_root = state is self
-            if state.group is None:
-                continue
-            state.group.change_settings(
-                module_name="+".join(state_names), reshard_after_forward=state.resolved_reshard_after_forward()
-            )
-            for fsdp_param in state.group.fsdp_params:
-                fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
-        model_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
-        for state in self.subtree_states:
-            if state.group is not None:
-                state.group.change_settings(model_groups=model_groups)
-
-    # What torch's own helpers read from an FSDP2 state ----------------------------------
-    # ``register_fsdp_forward_method`` wraps a method in ``_pre_forward`` / ``_post_forward``;
-    # ``share_comm_ctx`` shares ``_comm_ctx`` between roots (compile_shard issues every
-    # collective on the current stream, so there are no streams to share).
-
-    _comm_ctx = None
-
-    @property
-    def _fsdp_param_groups(self) -> list[FSDPParamGroup]:
-        return [] if self.group is None else [self.group]
-
-    @property
-    def _fsdp_param_group(self) -> FSDPParamGroup | None:
-        """The same group under torch 2.11's name, which its ``_apply`` and ``share_comm_ctx`` read."""
-        return self.group
-
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        shown, args, kwargs = self.pre_forward(args, kwargs)
-        self._shown_by_method.append(shown)
-        return args, kwargs
-
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return self.post_forward(output, self._shown_by_method.pop())
-
-    def reset_iter_state(self) -> None:
-        """Forgets an iteration that raised: every group resharded and idle, no callback queued."""
-        self._final_callback_queued = False
-        for state in self.subtree_states:
-            state._shown_by_method.clear()
-            if state.group is not None:
-                state.group.reset_iter_state()
-
-    def group_for_prefetch(self, knob: str) -> FSDPParamGroup:
-        if self.group is None:
-            raise ValueError(f"{knob}: {_label(self.module)} has no parameters of its own to prefetch after")
-        return self.group
-
-    def resolved_reshard_after_forward(self) -> bool:
-        if self.reshard_after_forward is None:
-            return not self.is_root  # FSDP2: the root is needed right away in backward
-        return self.reshard_after_forward
-
-    # Around the module's forward -----------------------------------------------------
-
-    def compiles_as_region(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this trace runs the module's forward in its shared compile region."""
-        return (
-            settings.compile_regions
-            and REGIONS_SUPPORTED
-            and torch.compiler.is_compiling()
-            and not self.is_root
-            and self.is_block
-            and (self.group.shown_params[0] is not None or self.group.shown_params[-1] is not None)
-            # Over one rank nothing is gathered, and the unsharded parameters are views of
-            # one tensor: a region refuses arguments that alias each other.
-            and self.group.world_size > 1
-            and accepts_region_call(args, kwargs)
-            and not runs_outside_regions(self)
-            and not enters_gathered_as_views(self.module)
-        )
-
-    def _gathers_for_region(self) -> bool:
-        """Whether the root's traced unshard leaves this block's copy-out to its block ([Note: a region copies
-        out its block's parameters] in ``_region``).
-
-        Not with ``bucket_cap_mb``: ``passes.bucket`` merges groups by their copy-outs in the graph.
-        """
-        group = self.group
-        return (
-            settings.compile_regions
-            and settings.bucket_cap_mb is None
-            and REGIONS_SUPPORTED
-            and not self.is_root
-            and self.is_block
-            and group.copies_out_in_region
-            and group.reshard_after_backward
-            and group.kept_after_backward is None
-            and not runs_outside_regions(self)
-        )
-
-    def pre_forward(
-        self, args: tuple, kwargs: dict, requires_grad_noted: bool = False
-    ) -> tuple[list[FSDPParamGroup], tuple, dict]:
-        """Unshards before the module's forward; returns the groups a trace showed and the inputs.
-
-        ``requires_grad_noted``: the root's eager forward compared the parameters'
-        ``requires_grad`` before this trace's frame ([Note: settings a trace reads as
-        constants] in compile_shard._group); else the trace reads those it gathers.
-        """
-        if self.is_root:
-            if torch.compiler.is_compiling():
-                defer_full_collections_while_compiling()  # [Note: full collections during a compile]
-                _validate_compilable(self)
-            _validate_devices(self)
-        args, kwargs = self._cast_forward_inputs(args, kwargs)
-        if torch.compiler.is_compiling():
-            # [Note: traced unshard]: the outermost sharded module gathers its whole
-            # subtree, so that nothing is written inside a checkpoint region below it.
-            shown = []
-            for state in self.subtree_states:
-                group = state.group
-                if group is None:
-                    continue
-                if state._gathers_for_region():
-                    gathered = group.gather_traced()
-                else:
-                    gathered = group.show_traced_unsharded_params()
-                if gathered:
-                    shown.append(group)
-                    if not requires_grad_noted:
-                        group.guard_requires_grad()
-            return shown, args, kwargs
-        if self.is_root:
-            with torch.profiler.record_function("FSDP::root_pre_forward"):
-                for state in self.subtree_states:
-                    if state.group is not None:
-                        state.group.start_iteration()
-        if self.group is not None:
-            self.group.pre_forward()
-            args, kwargs = self.group.register_post_backward_on_inputs(args, kwargs)
-        return [], args, kwargs
-
-    def post_forward(self, output: Any, shown: list[FSDPParamGroup]) -> Any:
-        for group in shown:
-            group.hide_traced_unsharded_params()
-        if self.group is not None and not torch.compiler.is_compiling():
-            output = self.group.post_forward(output)
-        if self.is_root and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self._register_root_pre_backward(output)
-        return self._cast_output(output)
-
-    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """FSDP2's ``cast_forward_inputs``: floating-point inputs to ``param_dtype``, before the unshard."""
-        if not (self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype):
-            return args, kwargs
-        return _cast_floating_tensors(self.mp_policy.param_dtype, (args, kwargs))
-
-    def _cast_output(self, output: Any) -> Any:
-        """FSDP2's ``output_dtype``: floating-point outputs cast last, after the backward hooks."""
-        if self.mp_policy.output_dtype is None:
-            return output
-        return _cast_floating_tensors(self.mp_policy.output_dtype, output)
-
-    def _register_root_pre_backward(self, output: Any) -> None:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if not self._final_callback_queued:
-                self._final_callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
-            return grad
-
-        for tensor in tree_flatten(output)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(hook)
-
-    def _root_post_backward_final_callback(self) -> None:
-        self._final_callback_queued = False
-        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
-            for state in self.subtree_states:
-                if state.group is not None:
-                    state.group.finalize_backward()
-
-
-@torch._dynamo.disable(recursive=True)
-def _before_step(root: FSDPState) -> None:
-    """Before the root's step, eager or compiled: the registrations checked, and the frozen parameters noted.
-
-    A new settings version for each group whose parameters were frozen or unfrozen.
-    Disabled: the root's forward runs eagerly, but Dynamo would compile the frames it calls.
-    """
-    first = not root.lazy_initialized
-    root.lazy_initialized = True
-    for state in root.subtree_states:
-        if state.group is not None:
-            _check_registrations(state.group)
-            if first:  # FSDP2's lazy init reads the all-gather extensions again: set after fully_shard, they count
-                state.group.init_extensions()
-            state.group.note_requires_grad()
-
-
-def _check_registrations(group: FSDPParamGroup) -> None:
-    """Each module still holds what the group registered on it; another group's sharded parameter raises.
-
-    A parameter assigned since (``load_state_dict(assign=True)`` does it, or a user's
-    ``module.weight = ...``) becomes the sharded parameter, as FSDP2's lazy init makes
-    it ([Note: a sharded parameter assigned by load_state_dict] in ``_param``); one
-    that another group sharded is a tie made after ``fully_shard`` ([Note: a parameter
-    in one group] in ``_param``).
-    """
-    for fsdp_param in group.fsdp_params:
-        for usage in fsdp_param.usages:
-            found = usage.module._parameters.get(usage.name)
-            if found is fsdp_param.registered:
-                continue
-            other = None if found is None else sharding_of(found)
-            if other is not None and other is not fsdp_param:
-                raise _shared_between_groups(f"fully_shard({group.module_name!r})", fsdp_param.fqn, usage.module, other)
-            fsdp_param.adopt_loaded_param()
-
-
-@torch.compiler.assume_constant_result
-def _validate_devices(root: FSDPState) -> bool:
-    """Raises for a parameter of the root's subtree that its forward cannot gather; returns True.
-
-    In a trace Dynamo runs it once, as a constant, rather than tracing a read of every
-    parameter's device: those are guarded anyway, since each ``shard`` is a graph
-    input, so a parameter moved after compiling recompiles, and is checked again.
-    """
-    device_type = root.mesh.device_type
-    for state in root.subtree_states:
-        if state.group is not None:
-            for fsdp_param in state.group.fsdp_params:
-                fsdp_param.validate_device(device_type)
-    return True
-
-
-@torch.compiler.assume_constant_result
-def _validate_compilable(root: FSDPState) -> bool:
-    """Raises, in a trace, for settings a compiled step cannot honour.
-
-    A ``grad_dtype`` wider than its parameter ([Note: grad_dtype] in ``_param``), and
-    unsharded storage kept across reshards ([Note: unsharded storage kept across
-    reshards] in ``_group``).
-    """
-    for state in root.subtree_states:
-        if state.group is not None and state.group.keep_unsharded_storage:
-            raise RuntimeError(
-                f"torch.compile: fully_shard({state.group.module_name!r}) keeps its unsharded storage across "
-                "reshards (set_keep_unsharded_storage(True)), which only eager mode honours: a compiled graph's "
-                "unsharded parameters are buffers Inductor plans (CUDA graphs, mode='reduce-overhead', keep them "
-                "at fixed addresses). Turn it off to compile"
-            )
-        if state.group is not None and (wider := state.group.gradients_wider_than_parameters()):
-            raise RuntimeError(
-                f"torch.compile: {', '.join(map(repr, wider))} of fully_shard({state.group.module_name!r}) "
-                "take gradients wider than the parameters (grad_dtype, or a grad_dtype of None beside a wider "
-                "reduce_dtype); a compiled backward gives each parameter's gradient in the parameter's own dtype, "
-                "so they would arrive rounded. Train it eagerly, or keep the parameters in the gradients' dtype and "
-                "compute in the narrower one with MixedPrecisionPolicy(param_dtype=...)"
-            )
-    return True
-
-
-@torch._dynamo.disable(recursive=True)
-def _pre_forward_eagerly(state: FSDPState, args: tuple, kwargs: dict) -> tuple[list[FSDPParamGroup], tuple, dict]:
-    return state.pre_forward(args, kwargs)
-
-
-@torch._dynamo.disable(recursive=True)
-def _post_forward_eagerly(state: FSDPState, output: Any, shown: list[FSDPParamGroup]) -> Any:
-    return state.post_forward(output, shown)
-
-
-def _cast_floating_tensors(dtype: torch.dtype, tree: Any) -> Any:
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x,
-        tree,
-    )
-
-
 def _prefetch_groups(modules: list[FSDPModule], knob: str) -> list[FSDPParamGroup]:
     groups = []
     for module in modules:
-        state = _get_state(module) if isinstance(module, nn.Module) else None
+        state = get_state(module) if isinstance(module, nn.Module) else None
         if state is None or state.group is None:
             raise ValueError(
                 f"{knob}: {type(module).__name__} is not a module with parameters sharded by fully_shard; "
@@ -399,10 +66,6 @@ def _prefetch_groups(modules: list[FSDPModule], knob: str) -> list[FSDPParamGrou
             )
         groups.append(state.group)
     return groups
-
-
-def _get_state(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(_STATE_ATTR)
 
 
 class FSDPModule(CountsWrites, TorchFSDPModule):
@@ -430,7 +93,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         """
         if not args and not kwargs:
             return object.__new__(cls)
-        return _user_class(cls)(*args, **kwargs)
+        return user_class(cls)(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Dynamo never traces this frame on its own (``skip_code`` below); traced inside a frame, it inlines.
@@ -454,10 +117,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
           makes the same graph; run eagerly instead, it would gather its own parameters
           outside the graph of its compiled forward.
         """
-        state = self.__dict__[_STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
+        state = self.__dict__[STATE_ATTR]  # no call: each would be a frame Dynamo compiles on its own
         compiling = torch.compiler.is_compiling()
         if state.is_root and not compiling:
-            _before_step(state)
+            before_step(state)
             sharded_forward = self._sharded_forward
             if isinstance(self, OptimizedModule):
                 sharded_forward = self.dynamo_ctx(sharded_forward)
@@ -469,8 +132,8 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 raise
         if compiling:
             return self._sharded_forward(args, kwargs)
-        shown, args, kwargs = _pre_forward_eagerly(state, args, kwargs)
-        return _post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
+        shown, args, kwargs = pre_forward_eagerly(state, args, kwargs)
+        return post_forward_eagerly(state, self._user_forward(*args, **kwargs), shown)
 
     def _sharded_forward(self, args: tuple, kwargs: dict, requires_grad_noted: bool = False) -> Any:
         """The forward between unshard and reshard; traced, the all-gathers and reductions are in the graph.
@@ -497,7 +160,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> FSDPState:
-        return cast(FSDPState, _get_state(cast(nn.Module, self)))
+        return cast(FSDPState, get_state(cast(nn.Module, self)))
 
     def _fsdp_modules(self, recurse: bool) -> list[FSDPModule]:
         modules = cast(nn.Module, self).modules() if recurse else [self]
@@ -537,7 +200,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         state = self._get_fsdp_state()
         if not state.is_root:
             raise RuntimeError(
-                f"reset_iter_state: {_label(cast(nn.Module, self))} is not the root fully_shard module; "
+                f"reset_iter_state: {user_class_name(cast(nn.Module, self))} is not the root fully_shard module; "
                 "call it on the module fully_shard was applied to last (the model)"
             )
         state.reset_iter_state()
@@ -623,7 +286,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         if not state.is_root:
             raise RuntimeError(
                 f"set_manual_backward_finalization must be called on the root fully_shard module, not on "
-                f"{_label(cast(nn.Module, self))}"
+                f"{user_class_name(cast(nn.Module, self))}"
             )
         if in_backward() and bool(enabled) != state.manual_backward_finalization:
             raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")
@@ -641,7 +304,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
             if not state.is_root:
                 raise RuntimeError(
                     f"finalize_backward must be called on the root fully_shard module, not on "
-                    f"{_label(cast(nn.Module, self))}"
+                    f"{user_class_name(cast(nn.Module, self))}"
                 )
             if not state.manual_backward_finalization:
                 raise RuntimeError(
@@ -866,357 +529,12 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 def _fsdp_class(cls: type) -> type:
+    """``FSDP<Class>``: ``FSDPModule`` first, then the module's class ([Note: the classes of a sharded module])."""
     if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        fsdp_class = subclass(cls, (FSDPModule, cls), {})
+        fsdp_class.__name__ = fsdp_class.__qualname__ = f"FSDP{fsdp_class.__name__}"
+        _FSDP_CLASSES[cls] = fsdp_class
     return _FSDP_CLASSES[cls]
-
-
-def _user_class(cls: type) -> type:
-    """The class the user built, behind the classes fully_shard swapped in."""
-    if issubclass(cls, FSDPModule):
-        cls = cls.__bases__[1]
-    return getattr(cls, "_compile_shard_base", None) or cls
-
-
-def _label(module: nn.Module) -> str:
-    """The user's class name, also for a module whose class fully_shard swapped."""
-    return _user_class(type(module)).__name__
-
-
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard: torch.distributed is not initialized; call dist.init_process_group(...) "
-            "or pass mesh=init_device_mesh(...)"
-        )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
-
-
-def _managed_params(module: nn.Module, label: str, ignored: set[int]) -> dict[nn.Parameter, list[ParamUsage]]:
-    """Parameters registered in ``module``'s subtree, minus subtrees already sharded and ``ignored``.
-
-    A parameter another ``fully_shard`` call sharded already is FSDP2's ``ValueError``
-    ([Note: a parameter in one group] in ``_param``).
-    """
-    usages: dict[nn.Parameter, list[ParamUsage]] = {}
-
-    def visit(submodule: nn.Module, prefix: str) -> None:
-        for name, param in submodule._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            other = sharding_of(param)
-            if other is not None:
-                raise _shared_between_groups(f"fully_shard({label})", prefix + name, submodule, other)
-            usages.setdefault(param, []).append(ParamUsage(submodule, name))
-        for child_name, child in submodule.named_children():
-            if _get_state(child) is None and _composable_with_fsdp(child):
-                visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
-    return usages
-
-
-def _shared_between_groups(where: str, fqn: str, module: nn.Module, other: FSDPParam) -> ValueError:
-    owners = " and ".join(dict.fromkeys(_label(usage.module) for usage in other.usages))
-    return ValueError(
-        f"{where}: parameter {fqn!r} of {_label(module)} is shared with {owners} ({other.fqn!r}), which another "
-        "fully_shard call "
-        "sharded: each group gathers and reduces its parameters on its own, so the shared parameter's gradient "
-        "would miss one group's contribution. Shard the modules that share it in one group, "
-        "fully_shard([module_a, module_b]), or apply fully_shard to a common ancestor of both only"
-    )
-
-
-def _composable_with_fsdp(module: nn.Module) -> bool:
-    """FSDP2's rule: a subtree that ``replicate()`` (composable DDP) manages is left to it."""
-    return "replicate" not in (_get_registry(module) or {})
-
-
-def _managed_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
-    """Buffers registered in the modules' subtrees, minus subtrees already sharded (FSDP2's managed buffers)."""
-    buffers: dict[int, torch.Tensor] = {}
-    stack = list(modules)
-    while stack:
-        module = stack.pop()
-        buffers.update((id(buffer), buffer) for buffer in module._buffers.values() if buffer is not None)
-        stack.extend(child for child in module.children() if _get_state(child) is None and _composable_with_fsdp(child))
-    return list(buffers.values())
-
-
-def _mesh_device(label: str, mesh: DeviceMesh) -> torch.device:
-    """The device of the mesh's type this process computes on: the current one, as in FSDP2."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    handle = getattr(torch, mesh.device_type, None)
-    if handle is None or not handle.is_available():
-        raise ValueError(
-            f"fully_shard({label}): the mesh covers {mesh.device_type!r} devices, which this process "
-            f"does not have; build the mesh on a device it has (for example init_device_mesh('cpu', ...) "
-            "with gloo), or keep the module on meta"
-        )
-    return torch.device(mesh.device_type, handle.current_device())
-
-
-def _move_to_mesh_device(label: str, mesh: DeviceMesh, tensors: list[torch.Tensor]) -> None:
-    """Moves the parameters and buffers this call manages to the mesh's device, in place, as FSDP2 does.
-
-    A model built on the CPU then sharded over a GPU mesh is FSDP2's usual
-    initialization: each ``fully_shard`` moves what it manages to the current device
-    of the mesh's type, through ``.data`` so that references to the parameters stay
-    valid. Meta tensors stay on meta for deferred initialization.
-    """
-    to_move = [tensor for tensor in tensors if not tensor.is_meta]
-    if not to_move:
-        return
-    device = _mesh_device(label, mesh)
-    with torch.no_grad():
-        for tensor in to_move:
-            if tensor.device != device:
-                tensor.data = tensor.to(device)
-
-
-def _check_mesh(label: str, mesh: DeviceMesh, tensor_parallel_dims: set[str]) -> None:
-    """Accepts FSDP2's meshes: 1-D (FSDP) or 2-D (HSDP: replicate, shard); refuses one that leaves ranks unsynchronised.
-
-    A 1-D slice of a larger mesh reduces gradients within itself only: sharding over
-    ``mesh["shard"]`` of a (replicate, shard) mesh would never reduce across replicas,
-    and with a shard dim of size 1 not at all. Pass the 2-D mesh instead (HSDP). The
-    other dims may hold tensor parallelism (``tensor_parallel_dims``: the dims of the
-    DTensor parameters' meshes), which keeps those ranks in step by itself.
-    """
-    if mesh.ndim > 2:
-        raise ValueError(
-            f"fully_shard({label}): expected a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
-            f"{mesh.ndim}-D mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}. Pass the data-parallel dimensions, "
-            "e.g. mesh['dp_replicate', 'dp_shard']"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError(  # FSDP2's type
-            f"fully_shard({label}): the 2-D mesh {tuple(mesh.shape)} for HSDP needs mesh_dim_names, e.g. "
-            "init_device_mesh(device, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
-        )
-    root = mesh._get_root_mesh()
-    if mesh.ndim == 2 or root is mesh or root.size() == mesh.size():
-        return
-    others = [
-        name
-        for name in root.mesh_dim_names or ()
-        if name not in (mesh.mesh_dim_names or ()) and name not in tensor_parallel_dims
-    ]
-    if others and (mesh.size() == 1 or any("replicate" in name for name in others)):
-        raise ValueError(
-            f"fully_shard({label}): the mesh {mesh.mesh_dim_names} of size {mesh.size()} is a slice of the "
-            f"{tuple(root.shape)} mesh {root.mesh_dim_names}; gradients would be reduced within it only, never "
-            f"across {others}, so replicas would train apart. For HSDP pass the 2-D (replicate, shard) mesh, "
-            "e.g. mesh[('replicate', 'shard')]"
-        )
-
-
-def _tensor_parallel_dims(modules: list[nn.Module]) -> set[str]:
-    """The mesh dims that the modules' DTensor parameters (tensor parallelism, sharded or not yet) live on."""
-    return {
-        name
-        for module in modules
-        for param in module.parameters()
-        if isinstance(param, DTensor)
-        for name in param.device_mesh.mesh_dim_names or ()
-    }
-
-
-def _check_tensor_parallel_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter]) -> None:
-    """A DTensor parameter is FSDP2's tensor parallelism: one Shard or Replicate placement, another dim of the mesh."""
-    for fqn, param in named.items():
-        if not isinstance(param, DTensor):
-            continue
-        tp_mesh = param.device_mesh
-        if tp_mesh.ndim != 1 or not all(type(p) in (Shard, Replicate) for p in param.placements):
-            raise NotImplementedError(
-                f"fully_shard({label}): parameter {fqn!r} is a DTensor with placements {param.placements} on the "
-                f"{tp_mesh.ndim}-D mesh {tp_mesh.mesh_dim_names}; compile_shard shards tensor-parallel parameters "
-                "with one Shard or Replicate placement on a 1-D tensor-parallel mesh (as ColwiseParallel and "
-                "RowwiseParallel make them). Parallelize the module with such a plan first"
-            )
-        tp_dims, dp_dims = tp_mesh.mesh_dim_names, mesh.mesh_dim_names
-        if tp_dims is None or dp_dims is None or set(tp_dims) & set(dp_dims) or not _joins(mesh, tp_mesh):
-            raise ValueError(
-                f"fully_shard({label}): parameter {fqn!r} is a DTensor on the mesh {tp_dims}, which is not another "
-                f"dim of the data-parallel mesh {dp_dims}'s named mesh. Slice both from one mesh, e.g. "
-                "world_mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), "
-                "parallelize_module(..., world_mesh['tp'], plan) and fully_shard(..., mesh=world_mesh['dp'])"
-            )
-
-
-def _joins(mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
-    """Whether ``DeviceMesh._concatenate`` joins the meshes: FSDP2's own test of a tensor-parallel mesh.
-
-    It compares the ranks both meshes lie over and that their dims do not overlap, not
-    the root mesh objects: two equal meshes made one after the other (a test suite, a
-    notebook, a restart inside one process) have two roots.
-    """
-    try:
-        DeviceMesh._concatenate([mesh, tp_mesh])
-    except RuntimeError:
-        return False
-    return True
-
-
-def _check_policy_types(label: str, mp_policy: Any, offload_policy: Any) -> None:
-    """FSDP2's policies, by type and dtype: a wrong value fails here, naming the module, not in the first step."""
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"fully_shard({label}): mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-            f"{type(mp_policy).__name__}"
-        )
-    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype = getattr(mp_policy, field)
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(
-                f"fully_shard({label}): mp_policy.{field} must be a floating-point torch.dtype or None, got "
-                f"{dtype!r}; for example MixedPrecisionPolicy({field}=torch.bfloat16)"
-            )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard({label}): offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got "
-            f"{type(offload_policy).__name__}"
-        )
-
-
-def _shard_memory(label: str, mesh: DeviceMesh, offload_policy: OffloadPolicy) -> tuple[bool, torch.device | None]:
-    """FSDP2's ``OffloadPolicy``: whether the shards are pinned, and the mesh's device where they are offloaded.
-
-    ``CPUOffloadPolicy`` keeps the sharded parameters in CPU memory, pinned with
-    ``pin_memory=True`` (an error where no accelerator is available, as in FSDP2). On
-    an accelerator's mesh the all-gathers then read copies of them on the mesh's
-    device ([Note: CPU offload] in ``_param``); on a CPU mesh they live there anyway,
-    and nothing moves, as in FSDP2.
-    """
-    if type(offload_policy) is OffloadPolicy:
-        return False, None
-    if type(offload_policy) is not CPUOffloadPolicy:
-        raise NotImplementedError(f"fully_shard({label}): {type(offload_policy).__name__} is not supported")
-    compute_device = None if mesh.device_type == "cpu" else _mesh_device(label, mesh)
-    return offload_policy.pin_memory, compute_device
-
-
-def _data_parallel_dims(label: str, mesh: DeviceMesh, dp_mesh_dims: Any) -> tuple[int, ...]:
-    """FSDP2's ``dp_mesh_dims`` (``DataParallelMeshDims``) as ``mesh`` dims: (replicate,) shard, the shard dim last."""
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names is None:
-        raise ValueError(f"fully_shard({label}): mesh must have mesh_dim_names when dp_mesh_dims is provided")
-    shard, replicate = dp_mesh_dims.shard, dp_mesh_dims.replicate
-    for role, value in (("shard", shard), ("replicate", replicate)):
-        if value is not None and not isinstance(value, str):
-            raise NotImplementedError(
-                f"fully_shard({label}): dp_mesh_dims.{role}={value!r} names several mesh dims to flatten; "
-                "compile_shard takes one name each. Flatten them into one named dim of the mesh first"
-            )
-        if value is not None and value not in names:
-            raise ValueError(f"fully_shard({label}): mesh dim name {value!r} not found in mesh.mesh_dim_names {names}")
-    if shard is None:
-        raise NotImplementedError(
-            f"fully_shard({label}): dp_mesh_dims without a shard dim (plain replication) is not supported; name a "
-            "shard dim, of size 1 for NO_SHARD"
-        )
-    return tuple(names.index(name) for name in (replicate, shard) if name is not None)
-
-
-def _check_spmd_params(label: str, mesh: DeviceMesh, named: dict[str, nn.Parameter], dims: tuple[int, ...]) -> None:
-    """With ``dp_mesh_dims`` every parameter is a DTensor on ``mesh`` itself, replicated on the data-parallel dims."""
-    for fqn, param in named.items():
-        if not isinstance(param, DTensor) or param.device_mesh is not mesh:
-            raise ValueError(
-                f"fully_shard({label}): with dp_mesh_dims every parameter must be a DTensor on the mesh passed to "
-                f"fully_shard (e.g. via distribute_tensor or distribute_module), but {fqn!r} is "
-                f"{'on another mesh' if isinstance(param, DTensor) else 'a plain tensor'}"
-            )
-        for dim in dims:
-            if not isinstance(param.placements[dim], Replicate):
-                raise ValueError(
-                    f"fully_shard({label}): parameter {fqn!r} has {param.placements[dim]!r} on the data-parallel dim "
-                    f"{mesh.mesh_dim_names[dim]!r}; with dp_mesh_dims it must be Replicate() there"
-                )
-
-
-def _resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_size: int) -> bool | int | None:
-    """FSDP2's ``reshard_after_forward``: a bool, None, or an int that is the size of a group to reshard to.
-
-    FSDP2 reads the int 1 as False (with a warning) and the shard group's size as True;
-    another factor of that size is the size of the smaller group to reshard to
-    ([Note: resharding to a smaller group] in ``_group``); anything else is FSDP2's
-    ``ValueError``.
-    """
-    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
-        return reshard_after_forward
-    if not isinstance(reshard_after_forward, int):
-        raise ValueError(
-            f"fully_shard({label}): reshard_after_forward should be a bool or an int representing the group "
-            f"size to reshard to, not {reshard_after_forward!r}"
-        )
-    if reshard_after_forward < 1 or world_size % reshard_after_forward != 0:
-        raise ValueError(
-            f"fully_shard({label}): if passing reshard_after_forward as an int, it should be a factor of "
-            f"{world_size}, not {reshard_after_forward}"
-        )
-    if reshard_after_forward == 1:
-        warnings.warn(
-            f"fully_shard({label}): reshard_after_forward=1 (int) means resharding parameters to world size 1, "
-            "instead of reshard_after_forward=True (bool)",
-            stacklevel=3,
-        )
-        return False
-    if reshard_after_forward == world_size:
-        return True
-    return reshard_after_forward
-
-
-def _reshard_group(mesh: DeviceMesh, size: int) -> ReshardGroup:
-    """FSDP2's post-forward mesh: the data-parallel ranks in rows of ``size``; a rank reshards over its row."""
-    rows = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size), mesh_dim_names=("reshard_rows", "reshard"))
-    return ReshardGroup(size, rows.get_local_rank(1), rows.get_group(1).group_name)
-
-
-def _shard_dim(label: str, fqn: str, param: nn.Parameter, shard_placement_fn, mesh: DeviceMesh) -> int:
-    """The dim ``shard_placement_fn`` shards ``param`` on (0 without one), checked as FSDP2 checks it."""
-    placement = None if shard_placement_fn is None else shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if type(placement) is not Shard:
-        raise NotImplementedError(
-            f"fully_shard({label}): shard_placement_fn gave {placement!r} for {fqn!r}; compile_shard shards on one "
-            "dim: return Shard(dim) or None"
-        )
-    if not -param.dim() <= placement.dim < param.dim():
-        raise ValueError(
-            f"fully_shard({label}): shard_placement_fn gave {placement!r} for {fqn!r}, a {param.dim()}-D parameter "
-            f"of shape {tuple(param.shape)}"
-        )
-    dim = placement.dim % param.dim()
-    if dim == 0:
-        return 0
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"fully_shard({label}): shard_placement_fn gave {placement!r} for the DTensor parameter {fqn!r}; "
-            "tensor-parallel parameters are sharded on dim 0 here (return Shard(0) or None for them)"
-        )
-    world_size = mesh.size(-1)
-    if param.size(dim) % world_size:
-        raise NotImplementedError(
-            f"fully_shard({label}): {fqn!r} has {param.size(dim)} entries on dim {dim}, not divisible by the "
-            f"{world_size} ranks; as in FSDP2, sharding on a dim other than 0 must be even (shard it on dim 0)"
-        )
-    return dim
-
-
-def _check_contiguous(label: str, named: dict[str, nn.Parameter]) -> None:
-    """FSDP2 shards contiguous parameters only (``NotImplementedError``): a channels_last weight is refused."""
-    for fqn, param in named.items():
-        if not param.is_contiguous():
-            raise NotImplementedError(
-                f"fully_shard({label}): parameter {fqn!r} is not contiguous (shape {tuple(param.shape)}, stride "
-                f"{param.stride()}), which FSDP2 does not shard either. Make it contiguous before fully_shard, "
-                "e.g. module.to(memory_format=torch.contiguous_format), and convert activations instead"
-            )
 
 
 def fully_shard(
@@ -1250,23 +568,23 @@ def fully_shard(
     (another ``OffloadPolicy`` subclass, CPU offload of an all-gather extension) a
     ``NotImplementedError`` naming it (docs/api.md).
     """
-    modules = _as_module_list(module)
-    label = "+".join(_label(m) for m in modules)
-    _check_policy_types(label, mp_policy, offload_policy)
-    mesh = mesh if mesh is not None else _default_mesh()
+    modules = as_module_list(module)
+    label = "+".join(user_class_name(m) for m in modules)
+    check_policy_types(label, mp_policy, offload_policy)
+    mesh = mesh if mesh is not None else default_mesh()
     spmd_mesh, spmd_data_parallel_dims = None, ()
     if dp_mesh_dims is None:
-        _check_mesh(label, mesh, _tensor_parallel_dims(modules))
+        check_mesh(label, mesh, tensor_parallel_dims(modules))
     else:
-        spmd_mesh, spmd_data_parallel_dims = mesh, _data_parallel_dims(label, mesh, dp_mesh_dims)
+        spmd_mesh, spmd_data_parallel_dims = mesh, data_parallel_dims(label, mesh, dp_mesh_dims)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(
                 f"fully_shard({label}): reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
             )
         dims = [spmd_mesh[spmd_mesh.mesh_dim_names[dim]] for dim in spmd_data_parallel_dims]
         mesh = dims[0] if len(dims) == 1 else DeviceMesh._concatenate(dims)  # the data-parallel mesh
-    pin_memory, compute_device = _shard_memory(label, mesh, offload_policy)
-    reshard_after_forward = _resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
+    pin_memory, compute_device = shard_memory(label, mesh, offload_policy)
+    reshard_after_forward = resolve_reshard_after_forward(label, reshard_after_forward, mesh.size(-1))
     reshard_size = None  # of a smaller group to reshard to
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard_size, reshard_after_forward = reshard_after_forward, True
@@ -1277,22 +595,22 @@ def fully_shard(
         # A list's parameters are named by position until the root names them ([Note: the root ...]).
         prefix = f"[{index}]." if len(modules) > 1 else ""
         fqn_of = {id(param): prefix + fqn for fqn, param in top.named_parameters()}
-        for param, param_usages in _managed_params(top, label, ignored).items():
+        for param, param_usages in managed_params(top, label, ignored).items():
             if param not in usages:
                 named[fqn_of[id(param)]] = param
             usages.setdefault(param, []).extend(param_usages)
     if spmd_mesh is None:
-        _check_tensor_parallel_params(label, mesh, named)
+        check_tensor_parallel_params(label, mesh, named)
         if reshard_size is not None and any(isinstance(param, DTensor) for param in named.values()):
             raise NotImplementedError(
                 f"fully_shard({label}): resharding to a smaller group (reshard_after_forward={reshard_size}) is "
                 "not supported for DTensor (tensor-parallel) parameters, as in torch FSDP2; pass True or False"
             )
     else:
-        _check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
-    _move_to_mesh_device(label, mesh, [*named.values(), *_managed_buffers(modules)])
-    _check_contiguous(label, named)
-    shard_dims = [_shard_dim(label, fqn, param, shard_placement_fn, mesh) for fqn, param in named.items()]
+        check_spmd_params(label, spmd_mesh, named, spmd_data_parallel_dims)
+    move_to_mesh_device(label, mesh, [*named.values(), *managed_buffers(modules)])
+    check_contiguous(label, named)
+    shard_dims = [chosen_shard_dim(label, fqn, param, shard_placement_fn, mesh) for fqn, param in named.items()]
     group = None
     if usages:
         fsdp_params = [
@@ -1306,14 +624,13 @@ def fully_shard(
             reshard_after_forward=reshard_after_forward is not False,
             forwards_per_iteration=len(modules),
             mp_policy=mp_policy,
-            reshard_group=None if reshard_size is None else _reshard_group(mesh, reshard_size),
+            reshard_group=None if reshard_size is None else smaller_reshard_group(mesh, reshard_size),
         )
     install()  # the pass suite, for torch.compile of this model
-    warn_if_regions_cannot_run(settings.compile_regions)
     state = FSDPState(modules, mesh, group, reshard_after_forward, mp_policy)
-    sharded_below = any(_get_state(sub) is not None for top in modules for sub in top.modules())
+    sharded_below = any(get_state(sub) is not None for top in modules for sub in top.modules())
     for top in modules:
-        top.__dict__[_STATE_ATTR] = state
+        top.__dict__[STATE_ATTR] = state
         top.__dict__.setdefault(REGISTRY_KEY, {}).setdefault("fully_shard", _REGISTRY_ITEM)
         if isinstance(top, OptimizedModule):  # compiled before fully_shard: [Note: a block compiled on its own]
             top.__dict__[_COMPILED_FORWARD_ATTR] = top.__dict__.pop("forward")
@@ -1330,34 +647,9 @@ def _state(module: nn.Module) -> FSDPState | None:
     The accessor torch's composable-API contract gives FSDP2's ``fully_shard``; the
     modules of one list share one state.
     """
-    return _get_state(module)
+    return get_state(module)
 
 
 fully_shard.state = _state  # type: ignore[attr-defined]
 
 
-def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    """``fully_shard``'s module argument as a list: one module, or FSDP2's list of modules forming one group.
-
-    FSDP2's refusals, with its exception types: a container without a forward of its
-    own (``ValueError``: it has no forward to unshard around), a module sharded twice
-    (``AssertionError``, from torch's composable-API contract).
-    """
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise TypeError(f"fully_shard: expected an nn.Module or a non-empty list of them, got {module!r}")
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _user_class(type(module)).forward is nn.Module.forward:
-        raise ValueError(
-            f"fully_shard: {type(module).__name__} has no forward of its own, so there is no forward to unshard its "
-            "parameters around (FSDP2 refuses it too). Apply fully_shard to each module it holds, or pass them as "
-            "one group: fully_shard(list(container))"
-        )
-    for m in modules:
-        if _get_state(m) is not None:
-            raise AssertionError(
-                f"fully_shard was already applied to this {_label(m)}; apply it once per module "
-                "(bottom-up: blocks first, then the root)"
-            )
-    if len({id(m) for m in modules}) != len(modules):
-        raise AssertionError("fully_shard: the list holds the same module twice; list each module once")
-    return modules

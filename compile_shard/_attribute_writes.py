@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from ._classes import subclass
 
 #: The owners (``RegionOwner``) of the blocks a module belongs to, set on the module.
 _OWNERS_ATTR = "_compile_shard_region_owners"
@@ -95,13 +96,11 @@ _COUNTING_CLASSES: dict[type, type] = {}
 
 
 def writes_counting_class(cls: type) -> type:
-    """``cls`` if it counts writes, else its subclass that does (``_compile_shard_base`` names ``cls``)."""
+    """``cls`` if it counts writes, else its subclass that does ([Note: the classes of a sharded module])."""
     if issubclass(cls, CountsWrites):
         return cls
     if cls not in _COUNTING_CLASSES:
-        base = getattr(cls, "_compile_shard_base", None) or cls
-        namespace = {"_compile_shard_base": base, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        _COUNTING_CLASSES[cls] = type(cls.__name__, (CountsWrites, cls), namespace)
+        _COUNTING_CLASSES[cls] = subclass(cls, (CountsWrites, cls), {})
     return _COUNTING_CLASSES[cls]
 
 

@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import ops
+from ._classes import subclass, user_class, user_class_name
 from ._layout import padded_rows
 from ._tensor_parallel import (
     shard_placements,
@@ -118,16 +119,27 @@ def sharding_of(param: torch.Tensor) -> FSDPParam | None:
     sharded gradient written by each group with that group's contribution alone: a
     silently wrong gradient. FSDP2 raises ``ValueError`` at its lazy init. Here every
     parameter a call shards is noted, original and sharded, and ``fully_shard`` raises
-    where a later call finds one in its subtree (``_api._managed_params``); a tie made
+    where a later call finds one in its subtree (``_init.managed_params``); a tie made
     after ``fully_shard`` (``output.weight = embed.weight``) puts another group's
     sharded parameter into a module's ``_parameters``, which the root finds before
-    each step (``_api._check_registrations``). A parameter shared within one group is
+    each step (``_state.check_registrations``). A parameter shared within one group is
     one ``FSDPParam`` with several usages, gathered and reduced once.
     """
     fsdp_param = _SHARDED_BY.get(id(param))
     if fsdp_param is None or param is not fsdp_param.sharded_param and param is not fsdp_param.original_param():
         return None  # another tensor at the address of a freed one
     return fsdp_param
+
+
+def shared_between_groups(where: str, fqn: str, module: nn.Module, other: FSDPParam) -> ValueError:
+    owners = " and ".join(dict.fromkeys(user_class_name(usage.module) for usage in other.usages))
+    return ValueError(
+        f"{where}: parameter {fqn!r} of {user_class_name(module)} is shared with {owners} ({other.fqn!r}), which another "
+        "fully_shard call "
+        "sharded: each group gathers and reduces its parameters on its own, so the shared parameter's gradient "
+        "would miss one group's contribution. Shard the modules that share it in one group, "
+        "fully_shard([module_a, module_b]), or apply fully_shard to a common ancestor of both only"
+    )
 
 
 _MANAGED_ATTR = "_compile_shard_managed"
@@ -157,14 +169,11 @@ def install_managed_attribute(usage: ParamUsage, fsdp_param: FSDPParam) -> None:
     module = usage.module
     managed = module.__dict__.setdefault(_MANAGED_ATTR, {})
     managed[usage.name] = fsdp_param
-    base = type(module)
-    if getattr(base, "_compile_shard_base", None) is not None:
-        base = base._compile_shard_base
+    base = user_class(type(module))
     key = (base, frozenset(managed))
     if key not in _ATTRIBUTE_CLASSES:
         namespace = {name: _managed_attribute(name) for name in managed}
-        namespace.update(_compile_shard_base=base, __module__=base.__module__, __qualname__=base.__qualname__)
-        _ATTRIBUTE_CLASSES[key] = type(base.__name__, (base,), namespace)
+        _ATTRIBUTE_CLASSES[key] = subclass(base, (base,), namespace)
     module.__class__ = _ATTRIBUTE_CLASSES[key]
 
 

@@ -168,7 +168,8 @@ from . import _invoke_subgraph
 from ._annotation import InlinedFirstBlock, note_inlined_first_block, note_region_body
 from ._attribute_writes import PLAIN
 from ._param import FSDPParam
-from ._versions import REGIONS_SUPPORTED, SYMBOLIC_NUMBERS_LOOK_PLAIN
+from ._classes import user_class
+from ._versions import SYMBOLIC_NUMBERS_LOOK_PLAIN
 
 
 def _plain_value(value: Any) -> Any:
@@ -190,13 +191,6 @@ def _plain_value(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(_plain_value(item) for item in value.values())
     return ("object", id(value))
-
-
-def _base_class(module: nn.Module) -> type:
-    cls = type(module)
-    while getattr(cls, "_compile_shard_base", None) is not None and cls is not cls._compile_shard_base:
-        cls = cls._compile_shard_base
-    return cls
 
 
 # Left out of a block's signature: the tensors and submodules, which it lists itself,
@@ -226,7 +220,7 @@ def block_signature(module: nn.Module) -> tuple:
     """
     signature = []
     for name, submodule in module.named_modules():
-        cls = _base_class(submodule)
+        cls = user_class(type(submodule))
         tensors = tuple(
             (kind, tensor_name, tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
             for kind, tensors in (("param", submodule._parameters), ("buffer", submodule._buffers))
@@ -481,8 +475,8 @@ def _subgraph_tracer() -> Any:
 
 
 def _user_forward_line(module: nn.Module) -> tuple[str, int]:
-    """Where the user's forward of a sharded block starts: fully_shard made its class FSDP<Class>(FSDPModule, Class)."""
-    code = type(module).__bases__[1].forward.__code__
+    """Where the user's forward of a sharded block starts ([Note: the classes of a sharded module])."""
+    code = user_class(type(module)).forward.__code__
     return code.co_filename, code.co_firstlineno
 
 
@@ -828,8 +822,7 @@ def runs_inlined(module: nn.Module) -> bool:
     return _signature_hash(module) in _INLINED_SIGNATURES
 
 
-if REGIONS_SUPPORTED:
-    _invoke_subgraph.install()
+_invoke_subgraph.install()
 
 
 # torch caps the distinct keys of one function in a trace (8 by default) and raises past
@@ -837,10 +830,8 @@ if REGIONS_SUPPORTED:
 # block reads, which may differ from block to block (a ``scale`` per pair of layers read
 # by its forward): each key that a second block uses traces a body of its own, as
 # inlining traces each block.
-_block_region = (
-    torch.compiler.nested_compile_region(_run_block, reuse_hash_fn=_given_key, max_reuse_entries=sys.maxsize)
-    if REGIONS_SUPPORTED
-    else None
+_block_region = torch.compiler.nested_compile_region(
+    _run_block, reuse_hash_fn=_given_key, max_reuse_entries=sys.maxsize
 )
 
 

@@ -3,8 +3,9 @@
 compile_shard lives on torch internals (Dynamo's side-effect classes, the region
 operator, the partitioner, FSDP2's own classes), so each supported minor release is
 tested, and each difference between them is decided here, by name, instead of by
-version checks spread through the code. On a torch outside the tested range
-compile_shard runs as on the nearest one it knows and warns once at import.
+version checks spread through the code. On a torch newer than the tested range
+compile_shard runs as on the newest one it knows and warns once at import; an older
+one is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ class UntestedTorchWarning(UserWarning):
 
 
 def warn_if_untested() -> None:
-    """Warns once, naming the tested range, on a torch outside it."""
+    """Raises on a torch older than the tested range; warns once, naming the range, on a newer one.
+
+    Before 2.13 ``nested_compile_region`` takes no ``reuse_hash_fn``, which the blocks'
+    compile regions need ([Note: sharded blocks as nested compile regions]).
+    """
+    if TORCH_VERSION < SUPPORTED[0]:
+        raise ImportError(
+            f"compile_shard needs torch {SUPPORTED[0][0]}.{SUPPORTED[0][1]} or later (tested with "
+            f"{SUPPORTED[0][0]}.{SUPPORTED[0][1]} to {SUPPORTED[-1][0]}.{SUPPORTED[-1][1]}); this is torch "
+            f"{torch.__version__}. Install a supported torch, e.g. pip install torch==2.13.0"
+        )
     if TORCH_VERSION not in SUPPORTED:
         first, last = SUPPORTED[0], SUPPORTED[-1]
         warnings.warn(
@@ -59,11 +70,6 @@ class CompletedGradientReduction(GradientReductionHandle):
         return None
 
 
-#: Whether sharded blocks can become compile regions: ``nested_compile_region`` takes
-#: a ``reuse_hash_fn`` from 2.13 (2.11's does not). Elsewhere every block is inlined,
-#: and ``fully_shard`` says so once ([Note: sharded blocks as nested compile regions]).
-REGIONS_SUPPORTED = TORCH_VERSION >= (2, 13)
-
 #: Dynamo keeps what it traced for another process (``caching_precompile``), and
 #: compiles anew next to a loaded trace whose guards fail (a changed model, a new input
 #: shape): from 2.15. Torch 2.13 and 2.14 load compile_shard's saved trace, but their
@@ -76,25 +82,3 @@ CACHES_DYNAMO_OUTPUT = TORCH_VERSION >= (2, 15)
 #: from 2.14 (2.13: ``SymInt``, ``SymFloat``), so a region's key asks the trace itself
 #: there (``comptime``) which sizes and numbers are symbolic.
 SYMBOLIC_NUMBERS_LOOK_PLAIN = TORCH_VERSION >= (2, 14)
-
-
-class RegionsOffWarning(UserWarning):
-    """``settings.compile_regions`` is on, but this torch cannot run compile regions."""
-
-
-_regions_warned = False
-
-
-def warn_if_regions_cannot_run(compile_regions: bool) -> None:
-    """Once per process where ``settings.compile_regions`` asks for regions this torch cannot run."""
-    global _regions_warned
-    if REGIONS_SUPPORTED or not compile_regions or _regions_warned:
-        return
-    _regions_warned = True
-    warnings.warn(
-        f"compile_shard: compile regions are off on torch {torch.__version__}: its nested_compile_region takes "
-        "no reuse_hash_fn (torch 2.13 and later do). Every sharded block is inlined into the compiled step "
-        "(the same graph, a longer first compile); settings.compile_regions = False says you know",
-        RegionsOffWarning,
-        stacklevel=3,
-    )

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ._api import _get_state
+from ._state import get_state
 from ._collectives import collective
 from .passes.dump import dump_graphs, format_graph
 
@@ -86,5 +86,5 @@ def unsharded_bytes(module: torch.nn.Module) -> int:
     Counts storages that autograd still holds for backward as well as the ones
     registered on modules, so it shows whether resharding really freed memory.
     """
-    states = (_get_state(submodule) for submodule in module.modules())
+    states = (get_state(submodule) for submodule in module.modules())
     return sum(state.group.live_unsharded_bytes() for state in states if state is not None and state.group)

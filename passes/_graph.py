@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_map
 
+
+T = TypeVar("T")
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -118,10 +120,10 @@ def reorder_by_priority(graph: fx.Graph, priority: dict[fx.Node, float]) -> int:
     position = {node: index for index, node in enumerate(nodes)}
     # A pass may have inserted nodes out of order: inherit along a true topological order.
     effective = {}
-    for node in reversed(_topological_order(nodes, position)):
+    for node in reversed(_fx_topological_order(nodes, position)):
         own = priority.get(node, float(position[node]))
         effective[node] = min([own, *(effective[user] for user in node.users)])
-    order = _topological_order(nodes, {node: (effective[node], position[node]) for node in nodes})
+    order = _fx_topological_order(nodes, {node: (effective[node], position[node]) for node in nodes})
     # Placeholders are the calling convention: they keep their order.
     placeholders = [node for node in nodes if node.op == "placeholder"]
     (output,) = [node for node in order if node.op == "output"]
@@ -132,20 +134,35 @@ def reorder_by_priority(graph: fx.Graph, priority: dict[fx.Node, float]) -> int:
     return moved
 
 
-def _topological_order(nodes: list[fx.Node], key: dict[fx.Node, Any]) -> list[fx.Node]:
-    """Kahn's algorithm, taking the ready node with the lowest ``key`` first."""
-    index = {node: i for i, node in enumerate(nodes)}
-    waiting = {node: len(node.all_input_nodes) for node in nodes}
-    ready = [(key[node], index[node]) for node in nodes if waiting[node] == 0]
+def _fx_topological_order(nodes: list[fx.Node], key: dict[fx.Node, Any]) -> list[fx.Node]:
+    order = topological_order(nodes, lambda node: node.all_input_nodes, key.__getitem__)
+    if order is None:
+        raise RuntimeError("graph has a cycle")
+    return order
+
+
+def topological_order(items: list[T], producers: Callable[[T], Iterable[T]], key: Callable[[T], Any]) -> list[T] | None:
+    """Kahn's algorithm: ``items`` each after its ``producers``, the ready item with the lowest ``key`` first.
+
+    Ties keep the order of ``items``. None where the items form a cycle. FX nodes
+    (``reorder_by_priority``) and Inductor's scheduler nodes (``keep_order``) sort with it.
+    """
+    index = {item: i for i, item in enumerate(items)}
+    users: dict[T, list[T]] = {item: [] for item in items}
+    waiting = {}
+    for item in items:
+        found = {producer for producer in producers(item) if producer in index and producer is not item}
+        waiting[item] = len(found)
+        for producer in found:
+            users[producer].append(item)
+    ready = [(key(item), index[item]) for item in items if waiting[item] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         _, i = heapq.heappop(ready)
-        order.append(nodes[i])
-        for user in nodes[i].users:
+        order.append(items[i])
+        for user in users[items[i]]:
             waiting[user] -= 1
             if waiting[user] == 0:
-                heapq.heappush(ready, (key[user], index[user]))
-    if len(order) != len(nodes):
-        raise RuntimeError("graph has a cycle")
-    return order
+                heapq.heappush(ready, (key(user), index[user]))
+    return order if len(order) == len(items) else None

@@ -11,9 +11,9 @@ scheduler knows. Graphs without compile_shard annotations pass through unchanged
 
 from __future__ import annotations
 
-import heapq
-
 from compile_shard._annotation import group_annotation
+
+from ._graph import topological_order
 
 
 def _origins(snode) -> list:
@@ -32,21 +32,7 @@ def keep_order(snodes: list) -> list:
         placed = [position[origin] for origin in origins[snode] if origin in position]
         key[snode] = (min(placed) if placed else float("inf"), index)
     owner = {name: snode for snode in snodes for name in snode.get_operation_names()}
-    waiting = {}
-    dependents = {snode: [] for snode in snodes}
-    for snode in snodes:
-        producers = {owner[name] for name in snode.ancestors if name in owner} - {snode}
-        waiting[snode] = len(producers)
-        for producer in producers:
-            dependents[producer].append(snode)
-    ready = [(key[snode], snode) for snode in snodes if waiting[snode] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, snode = heapq.heappop(ready)
-        order.append(snode)
-        for dependent in dependents[snode]:
-            waiting[dependent] -= 1
-            if waiting[dependent] == 0:
-                heapq.heappush(ready, (key[dependent], dependent))
-    return order if len(order) == len(snodes) else snodes
+    order = topological_order(
+        snodes, lambda snode: [owner[name] for name in snode.ancestors if name in owner], key.__getitem__
+    )
+    return snodes if order is None else order

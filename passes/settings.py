@@ -25,9 +25,7 @@ class PassSettings:
     #: Trace each sharded block (a fully_shard module with none below it) as a nested
     #: compile region that every block with the same signature reuses: the block is
     #: compiled once instead of once per layer (off: every block inlined into the
-    #: step's graph). Runs from torch 2.13; on an older torch every block is inlined and
-    #: ``fully_shard`` warns once (``REGIONS_SUPPORTED``). See [Note: sharded blocks as
-    #: nested compile regions].
+    #: step's graph). See [Note: sharded blocks as nested compile regions].
     compile_regions: bool = True
     #: With Inductor: the first block of each reuse key, which Dynamo traces inlined,
     #: calls the region its later blocks call, so Inductor compiles one block, not two

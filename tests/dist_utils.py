@@ -24,7 +24,6 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from compile_shard import FSDPModule, fully_shard
-from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
 
@@ -101,19 +100,6 @@ def run_gloo(fn, world_size: int, *args, timeout: datetime.timedelta | None = No
         join=True,
         start_method="forkserver",
     )
-
-
-#: For tests of compile regions, which run from torch 2.13 (``REGIONS_SUPPORTED``).
-needs_compile_regions = pytest.mark.skipif(
-    not REGIONS_SUPPORTED, reason=f"compile regions run from torch 2.13, this is torch {torch.__version__}"
-)
-
-#: For tests that read what the fake process group's reduce-scatter wrote: torch 2.13's
-#: writes the input's first rows, torch 2.11's leaves the output as it was.
-reads_fake_reduce_scatter_output = pytest.mark.skipif(
-    torch.__version__ < (2, 13),
-    reason="torch 2.11's fake process group leaves a reduce-scatter's output unwritten; this test compares it",
-)
 
 
 class FakeProcessGroup:

@@ -32,7 +32,6 @@ from dist_utils import (
     counted_step,
     global_batch,
     lm_loss,
-    reads_fake_reduce_scatter_output,
     run_gloo,
     step_optimizers_and_compare,
 )
@@ -314,7 +313,6 @@ def test_eager_mode_computes_with_what_fsdp_post_all_gather_returned(fake_pg):
     assert model.layers[0].attention.wq.weight.grad is not None
 
 
-@reads_fake_reduce_scatter_output
 def test_an_unsharded_tensor_subclass_trains_eagerly_and_compiled_in_one_graph(fake_pg):
     """Eager mode frees and refills a tensor subclass through its inner tensors; a compiled graph (fullgraph)
     gives it the all-gather's backward ([Note: an unsharded tensor subclass in a trace]) and the same gradients."""

@@ -16,9 +16,8 @@ from compile_shard import _cache_artifacts
 from compile_shard._versions import CACHES_DYNAMO_OUTPUT
 from compile_shard.models import LlamaConfig
 from compile_shard.passes import settings
-from dist_utils import FakeProcessGroup, build_sharded_llama, needs_compile_regions
+from dist_utils import FakeProcessGroup, build_sharded_llama
 
-@needs_compile_regions
 def test_every_class_fully_shard_makes_is_rebuilt_from_its_recipe():
     """The three run-time class families (FSDP, managed attributes, counted writes) each pickle by recipe."""
     torch._dynamo.reset()
@@ -126,7 +125,6 @@ def _train_eagerly(rank, world_size, folder):
 
 
 @pytest.mark.slow
-@needs_compile_regions
 def test_a_restarted_job_loads_its_compiled_step_and_traces_nothing():
     """The same model loads the saved step; a deeper one, which the saved guards reject, compiles its own.
 

@@ -31,7 +31,6 @@ from dist_utils import (
     build_sharded_llama,
     global_batch,
     lm_loss,
-    reads_fake_reduce_scatter_output,
     run_gloo,
 )
 from graph_utils import CapturingBackend, op_counts
@@ -147,7 +146,6 @@ def test_gradient_divide_factor_and_force_sum_match_torch_fsdp2(backend):
     run_gloo(_divide_factor_worker, 2, backend)
 
 
-@reads_fake_reduce_scatter_output
 def test_a_new_divide_factor_recompiles(fake_pg):
     model, _ = build_sharded_llama(LlamaConfig(n_layers=1))
     compiled = torch.compile(model, backend="aot_eager")

@@ -15,10 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from compile_shard import _invoke_subgraph
-from dist_utils import needs_compile_regions
 
 pytestmark = [
-    needs_compile_regions,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 

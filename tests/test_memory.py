@@ -11,7 +11,7 @@ from compile_shard import fully_shard
 from compile_shard._group import FSDPParamGroup, UnshardedParams
 from compile_shard.debug import unsharded_bytes
 from compile_shard.models import LlamaConfig
-from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss, reads_fake_reduce_scatter_output
+from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
 
 CONFIG = LlamaConfig(n_layers=3)
 WORLD_SIZE = 2
@@ -98,7 +98,6 @@ def _reshard_all(model):
             module.reshard()
 
 
-@reads_fake_reduce_scatter_output
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])
 def test_parameters_kept_after_backward_are_freed_by_reshard_and_never_under_a_pending_backward(backend):
     """``set_reshard_after_backward(False)``: ``reshard()`` frees what backward kept, as in FSDP2.

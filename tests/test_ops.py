@@ -9,7 +9,7 @@ from torch.library import opcheck
 
 import compile_shard.passes
 from compile_shard import ops
-from dist_utils import FakeProcessGroup, reads_fake_reduce_scatter_output, run_gloo
+from dist_utils import FakeProcessGroup, run_gloo
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,12 +28,10 @@ def _uneven_shards():
     return [torch.randn(3, 4, requires_grad=True), torch.randn(2, requires_grad=True)]
 
 
-@reads_fake_reduce_scatter_output
 def test_opcheck_all_gather_into(fake_pg):
     opcheck(torch.ops.fsdp.all_gather_into.default, (_uneven_shards(), [16, 3], 2, fake_pg))
 
 
-@reads_fake_reduce_scatter_output
 def test_opcheck_all_gather_into_with_mixed_precision(fake_pg):
     """A bf16 all-gather of an fp32 and a bf16 shard, reduced in fp32: gradients in each shard's dtype."""
     shards = [torch.randn(3, 4, requires_grad=True), torch.randn(2, dtype=torch.bfloat16, requires_grad=True)]
@@ -51,7 +49,6 @@ def test_all_gather_into_needs_a_param_dtype_for_shards_of_several_dtypes(fake_p
         torch.ops.fsdp.all_gather_into(shards, [16, 3], 2, fake_pg)
 
 
-@reads_fake_reduce_scatter_output
 @pytest.mark.parametrize("reduce_op", ["avg", "sum"])
 def test_opcheck_reduce_scatter_grad(fake_pg, reduce_op):
     opcheck(torch.ops.fsdp.reduce_scatter_grad.default, (torch.randn(10, requires_grad=True), 2, fake_pg, reduce_op))

@@ -19,12 +19,9 @@ from overlap_sim import group_unsharded_bytes, simulate_schedules  # noqa: E402
 
 from compile_shard.models import LlamaConfig  # noqa: E402
 from compile_shard.passes import overridden  # noqa: E402
-from dist_utils import needs_compile_regions  # noqa: E402
 
 
-@pytest.mark.parametrize(
-    "compile_regions", [False, pytest.param(True, marks=needs_compile_regions)], ids=["inlined", "regions"]
-)
+@pytest.mark.parametrize("compile_regions", [False, True], ids=["inlined", "regions"])
 def test_suite_hides_communication_within_one_group_of_memory(compile_regions):
     """With ``compile_regions``, as inlined: the first block runs inlined, so its reduce-scatter hides behind
     its own input gradients' matmuls, which a region would return with its weight gradients."""

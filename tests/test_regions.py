@@ -30,7 +30,6 @@ from dist_utils import (
     copy_out_in_regions,
     global_batch,
     lm_loss,
-    needs_compile_regions,
     run_gloo,
     step_optimizers_and_compare,
 )
@@ -39,7 +38,6 @@ from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
 
 pytestmark = [
-    needs_compile_regions,
     pytest.mark.usefixtures("fresh_dynamo"),
 ]
 

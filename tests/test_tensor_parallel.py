@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from compile_shard import fully_shard
-from compile_shard._region import REGIONS_SUPPORTED
 from compile_shard.debug import recompiles
 from compile_shard.models import LlamaConfig
 from compile_shard.passes import settings
@@ -249,7 +248,7 @@ def _spmd_worker(rank, world_size, shape, backends, compile_regions=False):
     if any(backends):
         assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and recompiles() == 0
     # The blocks ran as compile regions, their tensor-parallel parameters the regions' DTensors.
-    assert bool(compilation_time_metrics.get("invoke_subgraph_trace")) == (compile_regions and REGIONS_SUPPORTED)
+    assert bool(compilation_time_metrics.get("invoke_subgraph_trace")) == compile_regions
 
 
 @pytest.mark.skipif(

@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from compile_shard._region import REGIONS_SUPPORTED
-from dist_utils import FakeProcessGroup, needs_compile_regions, run_gloo
+from dist_utils import FakeProcessGroup, run_gloo
 
 # Runs the benchmark script (minutes of Inductor compilation): CI's slow tier.
 pytestmark = pytest.mark.slow
@@ -205,16 +204,6 @@ def test_fake_process_group_report(fake_report):
     assert eager["simulation"] is None and eager["projected_step_s"] is None
 
 
-def test_a_torch_that_inlines_every_block_says_so_in_the_notes(monkeypatch, fake_report):
-    """On torch other than 2.13, cs_compiled measures the inlined blocks: the report and its notes say it."""
-    assert fake_report["compile_regions_run"] == REGIONS_SUPPORTED
-    notes = _import_train_bench(monkeypatch)._notes
-    said = "cs_compiled inlined every block"
-    assert any(said in note for note in notes({**fake_report, "compile_regions_run": False}))
-    assert not any(said in note for note in notes({**fake_report, "compile_regions_run": True}))
-
-
-@needs_compile_regions
 def test_regions_mode_is_one_graph_with_the_same_collectives(fake_report):
     regions, inlined = fake_report["modes"]["cs_compiled"], fake_report["modes"]["cs_compiled_inlined"]
     stats = regions["compile"]

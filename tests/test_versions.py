@@ -1,4 +1,4 @@
-"""The supported torch releases: an untested one warns once at import, naming the range."""
+"""The supported torch releases: a newer one warns once at import, naming the range; an older one is refused."""
 
 import warnings
 
@@ -7,9 +7,15 @@ import pytest
 from compile_shard import _versions
 
 
-def test_an_untested_torch_warns_naming_the_tested_range(monkeypatch):
-    monkeypatch.setattr(_versions, "TORCH_VERSION", (2, 11))
+def test_a_newer_torch_warns_naming_the_tested_range(monkeypatch):
+    monkeypatch.setattr(_versions, "TORCH_VERSION", (2, 16))
     with pytest.warns(_versions.UntestedTorchWarning, match=r"tested with torch 2\.13 to 2\.15; this is torch"):
+        _versions.warn_if_untested()
+
+
+def test_an_older_torch_is_refused_naming_what_to_install(monkeypatch):
+    monkeypatch.setattr(_versions, "TORCH_VERSION", (2, 11))
+    with pytest.raises(ImportError, match=r"needs torch 2\.13 or later .* pip install torch==2\.13\.0"):
         _versions.warn_if_untested()
 
 
@@ -19,16 +25,3 @@ def test_a_tested_torch_does_not_warn(monkeypatch, version):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _versions.warn_if_untested()
-
-
-def test_regions_a_torch_cannot_run_are_said_to_be_off_once(monkeypatch):
-    monkeypatch.setattr(_versions, "REGIONS_SUPPORTED", False)
-    monkeypatch.setattr(_versions, "_regions_warned", False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _versions.warn_if_regions_cannot_run(compile_regions=False)  # regions not asked for
-    with pytest.warns(_versions.RegionsOffWarning, match="compile regions are off on torch .*reuse_hash_fn"):
-        _versions.warn_if_regions_cannot_run(compile_regions=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _versions.warn_if_regions_cannot_run(compile_regions=True)  # once
