@@ -216,9 +216,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
             state.reshard_after_forward = reshard_after_forward
             if state.group is not None:
                 # FSDP2: a bool reshards over the whole shard group
-                state.group.change_settings(
-                    reshard_after_forward=state.resolved_reshard_after_forward(), reshard_group=None
-                )
+                state.group.set_reshard_after_forward(state.resolved_reshard_after_forward())
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Sets whether backward frees the unsharded parameters (FSDP2's semantics), eager and compiled.
@@ -232,13 +230,13 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         backward] in compile_shard._group).
         """
         for group in self._groups(recurse):
-            if not reshard_after_backward and group.reshard_group is not None:
+            if not reshard_after_backward and group.settings.reshard_group is not None:
                 raise NotImplementedError(
-                    f"fully_shard({group.module_name!r}): set_reshard_after_backward(False) with "
-                    f"reshard_after_forward={group.reshard_group.size} is not supported; reshard after forward "
+                    f"fully_shard({group.settings.module_name!r}): set_reshard_after_backward(False) with "
+                    f"reshard_after_forward={group.settings.reshard_group.size} is not supported; reshard after forward "
                     "over the whole group (True) to keep the unsharded parameters between micro-batches"
                 )
-            group.change_settings(reshard_after_backward=bool(reshard_after_backward))
+            group.set_reshard_after_backward(bool(reshard_after_backward))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Sets whether backward reduce-scatters the gradients (FSDP1's ``no_sync``), eager and compiled.
@@ -381,12 +379,12 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         model recompiles for a new list.
         """
         group = self._get_fsdp_state().group_for_prefetch("set_modules_to_forward_prefetch")
-        group.change_settings(forward_prefetch=_prefetch_groups(modules, "set_modules_to_forward_prefetch"))
+        group.set_forward_prefetch(_prefetch_groups(modules, "set_modules_to_forward_prefetch"))
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Re-gathers ``modules``' parameters when this module's backward starts (FSDP2's knob)."""
         group = self._get_fsdp_state().group_for_prefetch("set_modules_to_backward_prefetch")
-        group.change_settings(backward_prefetch=_prefetch_groups(modules, "set_modules_to_backward_prefetch"))
+        group.set_backward_prefetch(_prefetch_groups(modules, "set_modules_to_backward_prefetch"))
 
     # Streams, buffers and communication backends ---------------------------------------
 
@@ -411,10 +409,10 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         reduce-scatter (``AssertionError``), whose buffers are their own.
         """
         for group in self._groups():
-            custom = group.all_gather_comm_name or group.reduce_scatter_comm_name
+            custom = group.settings.all_gather_comm_name or group.settings.reduce_scatter_comm_name
             if custom is not None:
                 raise AssertionError(
-                    f"fully_shard({group.module_name!r}): cannot call set_allocate_memory_from_process_group_for_comm "
+                    f"fully_shard({group.settings.module_name!r}): cannot call set_allocate_memory_from_process_group_for_comm "
                     "after set_custom_all_gather or set_custom_reduce_scatter: the custom collective allocates its "
                     "own buffers (FSDP2's rule)"
                 )
@@ -422,7 +420,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
                 group.mesh.get_group(group.mesh.ndim - 1), torch.device(group.mesh.device_type)
             ):
                 raise NotImplementedError(
-                    f"fully_shard({group.module_name!r}): set_allocate_memory_from_process_group_for_comm(True) on "
+                    f"fully_shard({group.settings.module_name!r}): set_allocate_memory_from_process_group_for_comm(True) on "
                     "a process group that allocates tensors is not supported: compile_shard allocates collective "
                     "buffers as ordinary tensors, planned by Inductor in compiled graphs"
                 )

@@ -7,8 +7,7 @@ import enum
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,9 +18,23 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import ops
 from ._annotation import GroupAnnotation, annotating_group, group_metadata
+from ._group_settings import (
+    AllGatherPart,
+    GatherSettings,
+    GradientReduction,
+    GroupSettings,
+    PartSettings,
+    ReshardGroup,
+    all_gather_parts_of,
+    gradient_dtype_of,
+    reduce_dtype_of,
+    TracedSettings,
+    settings_version,
+    wire_dtype,
+)
 from ._param import FSDPParam, share_slots
 from ._region import register_slot_lists
-from ._versions import REDUCES_IN_THE_PARAMETER_DTYPE, ROUNDS_EACH_GRADIENT_CONTRIBUTION
+from ._versions import ROUNDS_EACH_GRADIENT_CONTRIBUTION
 
 
 def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
@@ -29,191 +42,8 @@ def _unpadded(padded: torch.Tensor, rows: int) -> torch.Tensor:
     return padded if padded.size(0) == rows else padded[:rows]
 
 
-@dataclass(frozen=True)
-class GradientReduction:
-    """How a group's gradients are reduced: FSDP2's reduce op and divide factors.
-
-    The default averages over the process group. ``FSDPModule.set_gradient_divide_factor(f)``
-    divides the sum by ``f`` instead: as one average when ``f`` is the world size, else by
-    multiplying each rank's gradient by ``1 / f`` before the sum (FSDP2's
-    ``PREMUL_SUM``, which gloo lacks: torch FSDP2 raises there, compile_shard does not).
-    ``set_force_sum_reduction_for_comms(True)`` makes the collective a plain sum and
-    divides its output by ``f`` (default: the world size) after it, skipping a division
-    by 1. A reduction in a dtype with a narrow range (fp16, anything but fp32 and bf16)
-    also sums, dividing by a power of two close to ``sqrt(f)`` before the sum and by the
-    rest after it, against overflow (multiplying by ``2**-k`` is exact, so it gives the
-    bits of FSDP2's division).
-    """
-
-    reduce_op: str = "avg"
-    premul_factor: float = 1.0
-    postdivide_factor: float = 1.0
-
-    @staticmethod
-    def choose(
-        world_size: int, divide_factor: float | None, force_sum: bool, reduce_dtype: torch.dtype
-    ) -> GradientReduction:
-        factor = float(world_size if divide_factor is None else divide_factor)
-        overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
-        if not overflow_risk and not force_sum:
-            if factor == world_size:
-                return GradientReduction()
-            return GradientReduction("sum", premul_factor=1.0 / factor)
-        if not overflow_risk:
-            return GradientReduction("sum", postdivide_factor=factor)
-        predivide_factor = 1
-        while factor % predivide_factor == 0 and factor / predivide_factor > predivide_factor:
-            predivide_factor *= 2
-        return GradientReduction(
-            "sum", premul_factor=1.0 / predivide_factor, postdivide_factor=factor / predivide_factor
-        )
-
-
-@dataclass(frozen=True)
-class AllGatherPart:
-    """The parameters of a group that one ``fsdp::all_gather_into`` gathers.
-
-    [Note: one all-gather per wire dtype]
-    An all-gather moves one dtype: the parameters' ``param_dtype`` under mixed
-    precision, else their own. A group whose parameters arrive in several dtypes (frozen
-    bf16 weights beside trainable fp32 adapters) gathers once per dtype, in the order
-    the parameters first appear; FSDP2 packs them as bytes into one all-gather instead
-    (the same bytes, one collective fewer), which would leave autograd without a
-    floating-point output to differentiate. Trainable parameters share one dtype
-    (``fully_shard`` checks it, as FSDP2 does at its first forward), so one part at
-    most takes gradients and the group still has one reduce-scatter.
-    """
-
-    indices: tuple[int, ...]
-    padded_numels: tuple[int, ...]
-    unsharded_shapes: tuple[torch.Size, ...]
-    #: ``all_gather_into``'s cast: the part's dtype where a shard is in another, else None.
-    param_dtype: torch.dtype | None
-    #: torch 2.15's grad_dtype: the sharded gradients' dtypes, comma-separated, where one is not its shard's.
-    grad_dtypes: str | None = None
-
-
-@dataclass(frozen=True)
-class ReshardGroup:
-    """FSDP2's ``reshard_after_forward=<int>``: the smaller group a group's parameters stay sharded over after forward.
-
-    [Note: resharding to a smaller group]
-    Between forward and backward each rank keeps ``1 / size`` of every all-gather
-    output, its post-forward chunk (FSDP2's post-forward shard): the all-gather output
-    is rank-major over the group's ``world_size`` ranks, so chunk ``rank`` of ``size`` equal chunks holds the
-    shards of ``world_size / size`` consecutive ranks. Backward all-gathers these
-    chunks over ``size`` ranks (``group_name``: ranks that are consecutive within the
-    shard group, FSDP2's post-forward mesh), which rebuilds the whole output in the
-    same layout: fewer bytes held than the unsharded parameters, a smaller group to
-    gather over than the shard group.
-    """
-
-    size: int
-    rank: int
-    group_name: str
-
-    def chunk(self, all_gather_output: torch.Tensor) -> torch.Tensor:
-        """This rank's post-forward chunk of ``all_gather_output``: a copy, so the output itself can be freed."""
-        return ops.post_forward_chunk(all_gather_output.detach(), self.size, self.rank)
-
-
-def _wire_dtype(fsdp_param: FSDPParam, mp_policy: MixedPrecisionPolicy) -> torch.dtype:
-    """What the parameter is all-gathered and computed in: ``param_dtype`` for floating-point parameters (FSDP2)."""
-    dtype = fsdp_param.sharded_param.dtype
-    return mp_policy.param_dtype if mp_policy.param_dtype is not None and dtype.is_floating_point else dtype
-
-
-def _all_gather_parts(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> tuple[AllGatherPart, ...]:
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, fsdp_param in enumerate(fsdp_params):
-        by_dtype.setdefault(_wire_dtype(fsdp_param, mp_policy), []).append(index)
-    parts = []
-    for dtype, indices in by_dtype.items():
-        params = [fsdp_params[index] for index in indices]
-        casts = any(fsdp_param.sharded_param.dtype != dtype for fsdp_param in params)
-        parts.append(
-            AllGatherPart(
-                tuple(indices),
-                tuple(fsdp_param.padded_numel for fsdp_param in params),
-                tuple(fsdp_param.unsharded_shape for fsdp_param in params),
-                dtype if casts else None,
-            )
-        )
-    return tuple(parts)
-
-
-def _gradient_dtype(fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> torch.dtype:
-    """The dtype of the group's unsharded gradients: its trainable parameters' wire dtype."""
-    trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
-    return _wire_dtype((trainable or fsdp_params)[0], mp_policy)
-
-
-def _reduce_dtype(
-    fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy, gradient_dtype: torch.dtype
-) -> torch.dtype | None:
-    """What gradients are cast to for the reduction; None where they are reduced in their own dtype.
-
-    ``reduce_dtype``, else on torch 2.15 the trainable parameters' own dtype
-    (``REDUCES_IN_THE_PARAMETER_DTYPE``); FSDP2 clamps one equal to the gradients' dtype.
-    """
-    reduce_dtype = mp_policy.reduce_dtype
-    if reduce_dtype is None and REDUCES_IN_THE_PARAMETER_DTYPE:
-        trainable = [fsdp_param for fsdp_param in fsdp_params if fsdp_param.sharded_param.requires_grad]
-        # FSDP2 2.15: promoted over each parameter's unsharded grad dtype: an explicit grad_dtype, else its
-        # own dtype; grad_dtype=None takes the incoming gradient's (``gradient_dtype``).
-        dtypes = [_unsharded_grad_dtype(p) or gradient_dtype for p in (trainable or fsdp_params)]
-        reduce_dtype = functools.reduce(torch.promote_types, dtypes)
-    return None if reduce_dtype in (None, gradient_dtype) else reduce_dtype
-
-
-def _unsharded_grad_dtype(fsdp_param: FSDPParam) -> torch.dtype | None:
-    explicit, dtype = fsdp_param.grad_dtype_policy
-    return dtype if explicit else fsdp_param.sharded_param.dtype
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    return value is None if default is None else value == default
-
-
-#: ``fsdp::all_gather_into``'s optional arguments' defaults, in order.
-_OPTION_DEFAULTS = ("avg", 1.0, 1.0, None, True, None, None, None, True, None, None, None, None, None, None)
-
-
-class PartSettings(NamedTuple):
-    """What one part's all-gather takes from the group's settings."""
-
-    takes_gradients: bool
-    #: ``fsdp::all_gather_into``'s optional arguments, the four that gradient accumulation changes from
-    #: step to step (positions 3, 4, 8 and 9) at their defaults.
-    options: tuple
-    #: How many of ``options`` to pass: the trailing defaults left out (graphs show what differs).
-    given: int
-
-
-class GatherSettings(NamedTuple):
-    """What the all-gathers take from the group's settings: per parameter, ``requires_grad``; per part, its own."""
-
-    requires_grad: tuple[bool, ...]
-    #: The group's, fixed when it was sharded: a constant in a trace, like the rest.
-    all_gather_parts: tuple[AllGatherPart, ...]
-    parts: tuple[PartSettings, ...]
-
-
-class TracedSettings(NamedTuple):
-    """What a trace reads of a group's settings, as one constant ([Note: settings a trace reads as constants])."""
-
-    gather: GatherSettings
-    #: ``annotating_group``'s argument ([Note: the group annotation] in compile_shard._annotation).
-    annotation: dict
-
-
-#: Per distinct settings (of any group), their version: settings set back to earlier values
-#: get the earlier version back, and the graph compiled for it.
-_settings_versions: dict[tuple, int] = {}
-
-
 @torch.compiler.assume_constant_result
-def _traced_settings(group: FSDPParamGroup, settings_version: int) -> TracedSettings:
+def traced_settings(group: FSDPParamGroup, settings_version: int) -> TracedSettings:
     """``group``'s settings, read in plain Python while Dynamo traces.
 
     [Note: settings a trace reads as constants]
@@ -223,10 +53,11 @@ def _traced_settings(group: FSDPParamGroup, settings_version: int) -> TracedSett
     guard, for every group of every trace, and ``requires_grad`` of a DTensor
     parameter costs a fake DTensor each (docs/benchmarks.md, "Capture time by
     depth"). So a trace reads them here once per group, as a constant, and guards on
-    ``settings_version`` alone (passed as an argument, a traced read). Every setter
-    sets them through ``change_settings``, which numbers what this constant holds:
-    the next call recompiles, or finds the graph of settings it had before (a loop
-    that alternates two compiles each once). ``requires_grad_()`` has no setter: the
+    ``settings_version`` alone (passed as an argument, a traced read). FSDP2's knobs
+    are one frozen ``GroupSettings`` per group, which every setter replaces through
+    ``_replace_settings``; that numbers what this constant holds: the next call
+    recompiles, or finds the graph of settings it had before (a loop that alternates
+    two compiles each once). ``requires_grad_()`` has no setter: the
     root's eager forward compares the flags before each step
     (``note_requires_grad``), and a trace that does not start there (the root's
     forward traced inside a frame compiled around it) reads the flags of the groups
@@ -255,7 +86,7 @@ def _profiled(phase: str) -> Callable:
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def recorded(self: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
-            with torch.profiler.record_function(f"FSDP::{phase} ({self.module_name})"):
+            with torch.profiler.record_function(f"FSDP::{phase} ({self.settings.module_name})"):
                 return method(self, *args, **kwargs)
 
         return recorded
@@ -392,7 +223,6 @@ class FSDPParamGroup:
         self.shown_params, self.use_flags = share_slots(fsdp_params)
         self.shown_params.append(None)
         register_slot_lists(self, (self.shown_params, self.use_flags))
-        self.module_name = module_name
         self.mesh = mesh
         # The shard dimension's group gathers and reduce-scatters; on HSDP's 2-D mesh each
         # reduce-scatter is followed by an all-reduce over the replicate dimension's group.
@@ -400,9 +230,14 @@ class FSDPParamGroup:
         self.group_name = mesh.get_group(mesh.ndim - 1).group_name
         self.replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else None
         self.data_parallel_size = mesh.size()
-        self.reshard_after_forward = reshard_after_forward
-        # FSDP2's reshard_after_forward=<int>: reshard to this smaller group instead.
-        self.reshard_group = reshard_group
+        # FSDP2's knobs a trace reads, set through the named setters below ([Note: settings a trace reads as
+        # constants]); the gradient reduction is chosen with the dtypes (``_resolve_dtypes``).
+        self.settings = GroupSettings(
+            module_name=module_name,
+            reshard_after_forward=reshard_after_forward,
+            reshard_group=reshard_group,
+            model_groups=(module_name,),
+        )
         self.mp_policy = mp_policy
         # [Note: all-gather extensions] in compile_shard._param.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
@@ -432,25 +267,9 @@ class FSDPParamGroup:
         # reduce-scattered gradients into ``partial_reduce_output`` instead of
         # all-reducing them ([Note: HSDP reduction] in compile_shard.ops).
         self.requires_all_reduce = True
-        # FSDP2's set_reduce_scatter_unused_params: False leaves the gradient of a parameter
-        # the forward did not use as it was ([Note: unused parameters] in passes.unused_params).
-        self.reduce_scatter_unused_params = False
-        # FSDP2's set_all_reduce_hook, set_custom_all_gather and set_custom_reduce_scatter:
-        # the names the ops find the hook and the comms by, None where unset ([Note:
-        # Python objects named in op arguments] in compile_shard.ops.names).
-        self.all_reduce_hook_name: str | None = None
-        self.all_gather_comm_name: str | None = None
-        self.reduce_scatter_comm_name: str | None = None
-        self._bound: dict[str, tuple[str, Any]] = {}  # role -> (name, object)
-        # FSDP2's set_separate_reduce_scatter_group: the reduce-scatters' own process group
-        # over the shard group's ranks, eager and compiled (None: the shard group's).
-        self.reduce_scatter_group_name: str | None = None
-        # Names of every group under the same root, set by the root: lets the pass
-        # suite notice a graph that holds only part of the model (a graph break).
-        self.model_groups: tuple[str, ...] = (module_name,)
-        # FSDP2's explicit prefetch lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``).
-        self.forward_prefetch: list[FSDPParamGroup] = []
-        self.backward_prefetch: list[FSDPParamGroup] = []
+        # The objects bound for FSDP2's all-reduce hook and custom collectives, by the settings field that
+        # names them: field -> (name, object).
+        self._bound: dict[str, tuple[str, Any]] = {}
         self.training_state = TrainingState.IDLE
         # A list of modules forms one group (``fully_shard([norm, output])``): as in
         # FSDP2 it stays unsharded until each of them has run its forward, so one
@@ -461,10 +280,6 @@ class FSDPParamGroup:
         # parameter (an embedding's gradient needs only its indices): eager backward
         # then gathers nothing. Compiled graphs gather in backward only what it reads.
         self.unshard_in_backward = True
-        # FSDP2's set_reshard_after_backward: False keeps the unsharded parameters after
-        # backward, and the next forward computes with them instead of all-gathering
-        # ([Note: unsharded parameters kept after backward]).
-        self.reshard_after_backward = True
         self.kept_after_backward: tuple[torch.Tensor, ...] | None = None
         # FSDP2's set_keep_unsharded_storage ([Note: unsharded storage kept across reshards]).
         self.keep_unsharded_storage = False
@@ -514,7 +329,7 @@ class FSDPParamGroup:
             return
         if self.partial_reduce_output is not None:
             raise RuntimeError(
-                f"fully_shard({self.module_name!r}): manual backward finalization does not support HSDP's partial "
+                f"fully_shard({self.settings.module_name!r}): manual backward finalization does not support HSDP's partial "
                 "gradient reduction (set_requires_all_reduce(False)); turn the all-reduce back on before the last "
                 "backward, or finalize automatically"
             )
@@ -524,7 +339,7 @@ class FSDPParamGroup:
         accumulated, self.accumulated_grad = self.accumulated_grad, None
         shards = [self.fsdp_params[index].all_gather_shard(False) for index in part.indices]
         grads = ops.reduce_accumulated_grad(
-            accumulated, shards, part.padded_numels, self.world_size, self.group_name, *part_settings.options
+            accumulated, shards, part.padded_numels, self.world_size, self.group_name, part_settings.options
         )
         for index, grad in zip(part.indices, grads):
             fsdp_param = self.fsdp_params[index]
@@ -542,30 +357,30 @@ class FSDPParamGroup:
         """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
         return self.reduce_dtype or self.gradient_dtype
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
-        self._bind("all_reduce_hook", hook)
-
     def set_custom_all_gather(self, comm: Any) -> None:
         if comm is not None and self.has_extensions:
             raise NotImplementedError(
-                f"fully_shard({self.module_name!r}): set_custom_all_gather is not supported for a group with "
+                f"fully_shard({self.settings.module_name!r}): set_custom_all_gather is not supported for a group with "
                 "all-gather extensions (fsdp_pre_all_gather)"
             )
-        self._bind("all_gather_comm", comm)
+        self._bind("all_gather_comm_name", comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        self._bind("reduce_scatter_comm", comm)
+        self._bind("reduce_scatter_comm_name", comm)
 
-    def _bind(self, role: str, obj: Any) -> None:
-        """Registers ``obj`` under the group's name for ``role``, which traced code reads (``<role>_name``).
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None] | None) -> None:
+        self._bind("all_reduce_hook_name", hook)
 
-        One name per group and role, so that setting another object needs no recompile;
-        None where no object is set.
+    def _bind(self, field: str, obj: Any) -> None:
+        """Registers ``obj`` under a name of the group's, which the settings ``field`` holds and traced code reads.
+
+        One name per group and field, so that setting another object needs no
+        recompile; the field is None where no object is set.
         """
-        name = self._bound[role][0] if role in self._bound else ops.new_name(f"{self.module_name}.{role}")
+        name = self._bound[field][0] if field in self._bound else ops.new_name(f"{self.settings.module_name}.{field}")
         ops.bind(name, obj)
-        self._bound[role] = (name, obj)
-        self.change_settings(**{f"{role}_name": None if obj is None else name})
+        self._bound[field] = (name, obj)
+        self._replace_settings(**{field: None if obj is None else name})
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy``, unpickling) registers its copies of the objects under names of its own."""
@@ -574,11 +389,11 @@ class FSDPParamGroup:
             fsdp_param.group_ref = weakref.ref(self)
         register_slot_lists(self, (self.shown_params, self.use_flags))
         bound, self._bound = self._bound, {}
-        for role, (_, obj) in bound.items():
-            self._bind(role, obj)
+        for field, (_, obj) in bound.items():
+            self._bind(field, obj)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
-        self.change_settings(reduce_scatter_unused_params=reduce_scatter_unused_params)
+        self._replace_settings(reduce_scatter_unused_params=reduce_scatter_unused_params)
         for fsdp_param in self.fsdp_params:
             fsdp_param.used_since_reduction = None
 
@@ -589,37 +404,56 @@ class FSDPParamGroup:
         the same ranks share one process group, as in FSDP2.
         """
         if not enable:
-            self.change_settings(reduce_scatter_group_name=None)
+            self._replace_settings(reduce_scatter_group_name=None)
             return
         ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(self.mesh.ndim - 1)))
         if ranks not in new_groups:
-            new_groups[ranks] = self.reduce_scatter_group_name or dist.new_group(
+            new_groups[ranks] = self.settings.reduce_scatter_group_name or dist.new_group(
                 list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
             ).group_name
-        self.change_settings(reduce_scatter_group_name=new_groups[ranks])
+        self._replace_settings(reduce_scatter_group_name=new_groups[ranks])
 
     def _part_taking_gradients(self) -> AllGatherPart | None:
         requires_grad = self._requires_grad()
         return next((part for part in self.all_gather_parts if any(requires_grad[i] for i in part.indices)), None)
 
-    def change_settings(self, **settings: Any) -> None:
-        """Sets settings a trace reads, and their version ([Note: settings a trace reads as constants])."""
-        for name, value in settings.items():
-            setattr(self, name, value)
+    def _replace_settings(self, **changes: Any) -> None:
+        """Replaces settings a trace reads, and numbers them anew ([Note: settings a trace reads as constants])."""
+        self.settings = dataclasses.replace(self.settings, **changes)
         self._settings_changed()
+
+    def name(self, module_name: str, reshard_after_forward: bool) -> None:
+        """The root names the group after its modules, and resolves FSDP2's default ``reshard_after_forward``."""
+        self._replace_settings(module_name=module_name, reshard_after_forward=reshard_after_forward)
+
+    def set_model_groups(self, model_groups: tuple[str, ...]) -> None:
+        self._replace_settings(model_groups=model_groups)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """FSDP2's ``set_reshard_after_forward``: a bool, which reshards over the whole shard group."""
+        self._replace_settings(reshard_after_forward=reshard_after_forward, reshard_group=None)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        self._replace_settings(reshard_after_backward=reshard_after_backward)
+
+    def set_forward_prefetch(self, groups: list[FSDPParamGroup]) -> None:
+        self._replace_settings(forward_prefetch=tuple(groups))
+
+    def set_backward_prefetch(self, groups: list[FSDPParamGroup]) -> None:
+        self._replace_settings(backward_prefetch=tuple(groups))
 
     def _settings_changed(self) -> None:
         settings = (self.annotation(), self.gather_settings())
-        self.settings_version = _settings_versions.setdefault(settings, len(_settings_versions))
+        self.settings_version = settings_version(settings)
 
     def _requires_grad(self) -> tuple[bool, ...]:
         return tuple(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
 
     def _extensions_changed(self) -> None:
         """What depends on whether the group has all-gather extensions ([Note: all-gather extensions] in ``_param``)."""
-        if self.has_extensions and self.reshard_group is not None:
+        if self.has_extensions and self.settings.reshard_group is not None:
             raise NotImplementedError(
-                f"fully_shard({self.module_name}): reshard_after_forward as a smaller group is not supported for "
+                f"fully_shard({self.settings.module_name}): reshard_after_forward as a smaller group is not supported for "
                 "parameters with an all-gather extension (fsdp_pre_all_gather), as in FSDP2; pass True or False"
             )
         # Whether the unshard is one all-gather per part and a plain copy-out, which a block's region
@@ -638,9 +472,9 @@ class FSDPParamGroup:
         has_extensions = any(fsdp_param.has_extension for fsdp_param in self.fsdp_params)
         if has_extensions == self.has_extensions:
             return
-        if has_extensions and self.all_gather_comm_name is not None:
+        if has_extensions and self.settings.all_gather_comm_name is not None:
             raise NotImplementedError(
-                f"fully_shard({self.module_name!r}): set_custom_all_gather is not supported for a group with "
+                f"fully_shard({self.settings.module_name!r}): set_custom_all_gather is not supported for a group with "
                 "all-gather extensions (fsdp_pre_all_gather)"
             )
         self.has_extensions = has_extensions
@@ -691,7 +525,7 @@ class FSDPParamGroup:
                 if fsdp_param.sharded_param.requires_grad
             )
             raise AssertionError(
-                f"fully_shard({self.module_name!r}): the trainable parameters of one group are reduce-scattered as "
+                f"fully_shard({self.settings.module_name!r}): the trainable parameters of one group are reduce-scattered as "
                 f"one buffer and need one dtype, but got {listing}. Cast them to one dtype, freeze the others "
                 "(requires_grad_(False)), or apply fully_shard to the submodules with the other dtype first"
             )
@@ -702,9 +536,9 @@ class FSDPParamGroup:
         self._resolved_dtypes = self._dtype_key()
         for fsdp_param in fsdp_params:
             fsdp_param.apply_grad_dtype_policy()
-        self.all_gather_parts = _all_gather_parts(fsdp_params, mp_policy)
-        self.gradient_dtype = _gradient_dtype(fsdp_params, mp_policy)
-        self.reduce_dtype = _reduce_dtype(fsdp_params, mp_policy, self.gradient_dtype)
+        self.all_gather_parts = all_gather_parts_of(fsdp_params, mp_policy)
+        self.gradient_dtype = gradient_dtype_of(fsdp_params, mp_policy)
+        self.reduce_dtype = reduce_dtype_of(fsdp_params, mp_policy, self.gradient_dtype)
         rounds = (
             ROUNDS_EACH_GRADIENT_CONTRIBUTION
             and self.reduce_dtype is not None
@@ -714,10 +548,10 @@ class FSDPParamGroup:
             fsdp_param.contribution_dtype = (
                 self.reduce_dtype if rounds and fsdp_param.sharded_param.requires_grad else None
             )
-        self.gradient_reduction = GradientReduction.choose(
-            self.data_parallel_size, self.gradient_divide_factor, self.force_sum_reduction_for_comms,
-            self.reduction_dtype,
+        reduction = GradientReduction.choose(
+            self.data_parallel_size, self.gradient_divide_factor, self.force_sum_reduction_for_comms, self.reduction_dtype
         )
+        self.settings = dataclasses.replace(self.settings, gradient_reduction=reduction)
         parts = []
         for part in self.all_gather_parts:  # [Note: grad_dtype] in compile_shard._param
             dtypes = [fsdp_params[index].sharded_grad_dtype(self.reduction_dtype) for index in part.indices]
@@ -747,39 +581,33 @@ class FSDPParamGroup:
     def gather_settings(self) -> GatherSettings:
         """What the all-gathers take from the settings, read now (in a trace, ``_traced_settings`` reads them)."""
         requires_grad = self._requires_grad()
-        reduction = self.gradient_reduction
+        reduction = self.settings.gradient_reduction
         parts = []
         for part in self.all_gather_parts:
-            options = (
-                reduction.reduce_op,
-                reduction.premul_factor,
-                reduction.postdivide_factor,
-                None,
-                True,
-                part.param_dtype,
-                self.reduce_dtype,
-                self.replicate_group_name,
-                True,
-                None,
-                self.reduce_scatter_group_name,
-                self.all_reduce_hook_name,
-                self.all_gather_comm_name,
-                self.reduce_scatter_comm_name,
-                part.grad_dtypes,
+            options = ops.ReductionOptions(
+                reduce_op=reduction.reduce_op,
+                premul_factor=reduction.premul_factor,
+                postdivide_factor=reduction.postdivide_factor,
+                param_dtype=part.param_dtype,
+                reduce_dtype=self.reduce_dtype,
+                replicate_group_name=self.replicate_group_name,
+                reduce_scatter_group_name=self.settings.reduce_scatter_group_name,
+                all_reduce_hook=self.settings.all_reduce_hook_name,
+                all_gather_comm=self.settings.all_gather_comm_name,
+                reduce_scatter_comm=self.settings.reduce_scatter_comm_name,
+                grad_dtypes=part.grad_dtypes,
             )
-            given = len(options)
-            while given and _is_default(options[given - 1], _OPTION_DEFAULTS[given - 1]):
-                given -= 1
             takes_gradients = any(requires_grad[index] for index in part.indices)
-            parts.append(PartSettings(takes_gradients, options, given))
+            parts.append(PartSettings(takes_gradients, options, *options.positional()))
         return GatherSettings(requires_grad, self.all_gather_parts, tuple(parts))
 
     def _all_gather_options(self, settings: PartSettings) -> tuple:
-        """``fsdp::all_gather_into``'s optional arguments, trailing defaults left out (graphs show what differs).
+        """``fsdp::all_gather_into``'s optional arguments for this gathering, trailing defaults left out.
 
-        A gathering with gradients takes the accumulated gradient with it (the group
-        forgets it: the backward that receives it reduces it); one without gradients
-        (an evaluation forward, a refill) leaves it for the next.
+        The settings' options with this step's accumulation in place: a gathering with
+        gradients takes the accumulated gradient with it (the group forgets it: the
+        backward that receives it reduces it); one without gradients (an evaluation
+        forward, a refill) leaves it for the next.
         """
         takes_gradients = torch.is_grad_enabled() and settings.takes_gradients
         accumulated_grad, reduce_grads = None, True
@@ -792,25 +620,14 @@ class FSDPParamGroup:
             partial_reduce_output, all_reduce_grads = self.partial_reduce_output, self.requires_all_reduce
             if all_reduce_grads:
                 self.partial_reduce_output = None
-        # The settings' arguments with this step's in their places, trailing defaults left out as before.
-        options, given = settings.options, settings.given
-        if partial_reduce_output is not None:
-            given = max(given, 10)
-        elif not all_reduce_grads:
-            given = max(given, 9)
-        elif not reduce_grads:
-            given = max(given, 5)
-        elif accumulated_grad is not None:
-            given = max(given, 4)
-        if given <= 3:
-            return options[:given]
-        values = (*options[:3], accumulated_grad, reduce_grads, *options[5:8], all_reduce_grads, partial_reduce_output)
-        return (*values, *options[10:])[:given]
+        return ops.ReductionOptions.with_accumulation(
+            settings.values, settings.given, accumulated_grad, reduce_grads, all_reduce_grads, partial_reduce_output
+        )
 
     def set_gradient_reduction(self, divide_factor: float | None, force_sum: bool) -> None:
         self.gradient_divide_factor = divide_factor
         self.force_sum_reduction_for_comms = force_sum
-        self.change_settings(
+        self._replace_settings(
             gradient_reduction=GradientReduction.choose(
                 self.data_parallel_size, divide_factor, force_sum, self.reduction_dtype
             )
@@ -856,7 +673,7 @@ class FSDPParamGroup:
                     dtypes = [tensor.dtype for tensor in tensors]
                 else:
                     tensors, meta = [fsdp_param.shard.detach()], None
-                    dtypes = [_wire_dtype(fsdp_param, self.mp_policy)]
+                    dtypes = [wire_dtype(fsdp_param, self.mp_policy)]
                 inputs.append(tensors)
                 metadata.append(meta)
                 for position, dtype in enumerate(dtypes):
@@ -876,7 +693,7 @@ class FSDPParamGroup:
             unsharded = []
             for fsdp_param, outputs, meta in zip(self.fsdp_params, gathered, metadata):
                 if fsdp_param.has_extension:
-                    param_dtype = _wire_dtype(fsdp_param, self.mp_policy)
+                    param_dtype = wire_dtype(fsdp_param, self.mp_policy)
                     unsharded.append(fsdp_param.unsharded_from_extension(outputs, meta, param_dtype))
                 else:
                     rows = _unpadded(outputs[0], fsdp_param.unsharded_shape[0])
@@ -925,7 +742,7 @@ class FSDPParamGroup:
 
     def _all_gather_post_forward_chunks(self, post_forward_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
         """The unsharded parameters, gathered back over the smaller group ([Note: resharding to a smaller group])."""
-        reshard_group = self.reshard_group
+        reshard_group = self.settings.reshard_group
         all_gather_outputs = [
             ops.all_gather_into([chunk], [chunk.numel()], reshard_group.size, reshard_group.group_name)
             for chunk in post_forward_chunks
@@ -962,7 +779,7 @@ class FSDPParamGroup:
         parameters or gathers them again (``reshard``).
         """
         kept = self.kept_after_backward
-        settings = _traced_settings(self, self.settings_version)
+        settings = traced_settings(self, self.settings_version)
         with annotating_group(settings.annotation):
             if kept is None:
                 tensors, _ = self._all_gather(settings.gather)
@@ -991,7 +808,7 @@ class FSDPParamGroup:
         storage an eager backward kept, as FSDP2 does, but only drops what a traced
         forward kept: that forward's backward may not have run yet.
         """
-        keeps = not self.reshard_after_backward and torch.is_grad_enabled()
+        keeps = not self.settings.reshard_after_backward and torch.is_grad_enabled()
         if keeps and kept is None:
             self.kept_after_backward = tuple(tensor.detach() for tensor in tensors)
             self._kept_by_trace = True
@@ -1001,25 +818,25 @@ class FSDPParamGroup:
     def annotation(self) -> GroupAnnotation:
         """What the pass suite learns about this group from the traced graph."""
         return GroupAnnotation(
-            name=self.module_name,
+            name=self.settings.module_name,
             # Kept after backward, the parameters outlive the forward anyway: backward reads them, gathering nothing.
-            reshard_after_forward=self.reshard_after_forward and self.reshard_after_backward,
-            members=(self.module_name,),
-            model_groups=self.model_groups,
-            forward_prefetch=tuple(group.module_name for group in self.forward_prefetch),
-            backward_prefetch=tuple(group.module_name for group in self.backward_prefetch),
+            reshard_after_forward=self.settings.reshard_after_forward and self.settings.reshard_after_backward,
+            members=(self.settings.module_name,),
+            model_groups=self.settings.model_groups,
+            forward_prefetch=tuple(group.settings.module_name for group in self.settings.forward_prefetch),
+            backward_prefetch=tuple(group.settings.module_name for group in self.settings.backward_prefetch),
             reshard_group=None
-            if self.reshard_group is None
-            else (self.reshard_group.size, self.reshard_group.rank, self.reshard_group.group_name),
-            reduce_scatter_unused_params=self.reduce_scatter_unused_params,
-            kept_after_backward=not self.reshard_after_backward,
+            if self.settings.reshard_group is None
+            else (self.settings.reshard_group.size, self.settings.reshard_group.rank, self.settings.reshard_group.group_name),
+            reduce_scatter_unused_params=self.settings.reduce_scatter_unused_params,
+            kept_after_backward=not self.settings.reshard_after_backward,
             **self._dtype_annotation(),
         )
 
     def _dtype_annotation(self) -> dict[str, Any]:
         if self.has_extensions:  # the extension's pre- and post-all-gather decide the dtypes
             return {}
-        wire_dtypes = [_wire_dtype(self.fsdp_params[part.indices[0]], self.mp_policy) for part in self.all_gather_parts]
+        wire_dtypes = [wire_dtype(self.fsdp_params[part.indices[0]], self.mp_policy) for part in self.all_gather_parts]
         return {
             "all_gather_dtypes": tuple(str(dtype) for dtype in wire_dtypes),
             "gradient_dtype": str(self.gradient_dtype),
@@ -1036,8 +853,8 @@ class FSDPParamGroup:
         if self.unsharded is None:
             tensors, all_gather_outputs = self._gather_for_forward()
             post_forward_chunks = None
-            if self.reshard_group is not None and self.reshard_after_forward and torch.is_grad_enabled():
-                post_forward_chunks = [self.reshard_group.chunk(output) for output in all_gather_outputs]
+            if self.settings.reshard_group is not None and self.settings.reshard_after_forward and torch.is_grad_enabled():
+                post_forward_chunks = [self.settings.reshard_group.chunk(output) for output in all_gather_outputs]
             self.unsharded = UnshardedParams(tensors, all_gather_outputs, post_forward_chunks)
             self.unsharded.settings_version = self.settings_version
             self.unsharded.keeps_storage = self.keep_unsharded_storage
@@ -1140,7 +957,7 @@ class FSDPParamGroup:
     def _watch_use(self, tensors: list[torch.Tensor]) -> None:
         """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in
         passes.unused_params)."""
-        if not self.reduce_scatter_unused_params:
+        if not self.settings.reduce_scatter_unused_params:
             for fsdp_param, tensor in zip(self.fsdp_params, tensors):
                 if tensor.requires_grad:
                     fsdp_param.watch_use(tensor)
@@ -1154,7 +971,7 @@ class FSDPParamGroup:
         an eager call of one of its modules (a chunked loss's head) reduces the group's
         parameters in both. Weakly held, as in ``_register_post_backward``.
         """
-        if self.reduce_scatter_unused_params:
+        if self.settings.reduce_scatter_unused_params:
             return
         group_ref = weakref.ref(self)
         for part, output in zip(self.all_gather_parts, all_gather_outputs):
@@ -1220,7 +1037,7 @@ class FSDPParamGroup:
         """Inside a trace: all-gathers the group unless already done, and leaves the copy-out to its block."""
         if self.shown_params[0] is not None or self.shown_params[-1] is not None:
             return False
-        settings = _traced_settings(self, self.settings_version)
+        settings = traced_settings(self, self.settings_version)
         with annotating_group(settings.annotation):
             self.shown_params[-1] = self._all_gather_outputs(settings.gather)
         for slot in range(len(self.fsdp_params)):
@@ -1238,7 +1055,7 @@ class FSDPParamGroup:
 
     def copy_out_traced(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies out and shows the unsharded parameters from ``gather_traced``'s all-gather outputs."""
-        settings = _traced_settings(self, self.settings_version)
+        settings = traced_settings(self, self.settings_version)
         with annotating_group(settings.annotation):
             tensors = self._copy_out(all_gather_outputs, settings.gather.all_gather_parts)
         for fsdp_param, tensor in zip(self.fsdp_params, tensors):
@@ -1269,8 +1086,8 @@ class FSDPParamGroup:
             self.forwards_left = self.forwards_per_iteration
         self.training_state = TrainingState.FORWARD
         self.unshard()
-        for group in self.forward_prefetch:
-            with torch.profiler.record_function(f"FSDP::forward_prefetch for {group.module_name}"):
+        for group in self.settings.forward_prefetch:
+            with torch.profiler.record_function(f"FSDP::forward_prefetch for {group.settings.module_name}"):
                 group.unshard()
 
     @_profiled("post_forward")
@@ -1292,7 +1109,7 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         for fsdp_param in self.fsdp_params:
             fsdp_param.show_sharded()
-        if self.reshard_after_forward:
+        if self.settings.reshard_after_forward:
             self.reshard()
         return output
 
@@ -1356,7 +1173,7 @@ class FSDPParamGroup:
         """
         group_ref, unsharded_ref = weakref.ref(self), weakref.ref(unsharded)
         # FSDP2's profiler range around the reduction, which the all-gather's backward runs (``_profiled``).
-        reduction = torch.profiler.record_function(f"FSDP::post_backward_reduce ({self.module_name})")
+        reduction = torch.profiler.record_function(f"FSDP::post_backward_reduce ({self.settings.module_name})")
 
         def pre_hook(grad_outputs):
             reduction.__enter__()
@@ -1385,8 +1202,8 @@ class FSDPParamGroup:
             for fsdp_param, tensor in zip(self.fsdp_params, unsharded.tensors):
                 fsdp_param.show_unsharded(tensor)
         self.training_state = TrainingState.PRE_BACKWARD
-        for group in self.backward_prefetch:
-            with torch.profiler.record_function(f"FSDP::backward_prefetch for {group.module_name}"):
+        for group in self.settings.backward_prefetch:
+            with torch.profiler.record_function(f"FSDP::backward_prefetch for {group.settings.module_name}"):
                 group.prefetch_for_backward()
 
     def prefetch_for_backward(self) -> None:
@@ -1402,7 +1219,7 @@ class FSDPParamGroup:
     def post_backward(self, unsharded: UnshardedParams) -> None:
         unsharded.backward_done = True
         if (
-            not self.reshard_after_backward
+            not self.settings.reshard_after_backward
             and not unsharded.is_freed
             and (self.kept_after_backward is None or unsharded.kept)
         ):

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._classes import user_class, user_class_name
-from ._group import ReshardGroup
+from ._group_settings import ReshardGroup
 from ._param import ParamUsage, shared_between_groups, sharding_of
 from ._state import get_state
 

@@ -520,7 +520,7 @@ def _inline_blocks_like(module: nn.Module, reason: str, filename: str, lineno: i
         _INLINED_SIGNATURES.add(signature)
         _learned(lambda: _INLINED_SIGNATURES.discard(signature))
     warnings.warn_explicit(
-        f"compile_regions: the forward of {module._compile_shard_state.group.module_name} {reason}; blocks like "
+        f"compile_regions: the forward of {module._compile_shard_state.group.settings.module_name} {reason}; blocks like "
         f"it run inlined",
         RegionInlinedWarning,
         filename,

@@ -97,15 +97,13 @@ class FSDPState:
             state.is_root = state is self
             if state.group is None:
                 continue
-            state.group.change_settings(
-                module_name="+".join(state_names), reshard_after_forward=state.resolved_reshard_after_forward()
-            )
+            state.group.name("+".join(state_names), state.resolved_reshard_after_forward())
             for fsdp_param in state.group.fsdp_params:
                 fsdp_param.fqn = fqns.get(id(fsdp_param.sharded_param), fsdp_param.fqn)
-        model_groups = tuple(state.group.module_name for state in self.subtree_states if state.group is not None)
+        model_groups = tuple(state.group.settings.module_name for state in self.subtree_states if state.group is not None)
         for state in self.subtree_states:
             if state.group is not None:
-                state.group.change_settings(model_groups=model_groups)
+                state.group.set_model_groups(model_groups)
 
     # What torch's own helpers read from an FSDP2 state ----------------------------------
     # ``register_fsdp_forward_method`` wraps a method in ``_pre_forward`` / ``_post_forward``;
@@ -180,7 +178,7 @@ class FSDPState:
             and not self.is_root
             and self.is_block
             and group.copies_out_in_region
-            and group.reshard_after_backward
+            and group.settings.reshard_after_backward
             and group.kept_after_backward is None
             and not runs_outside_regions(self)
         )
@@ -300,7 +298,7 @@ def check_registrations(group: FSDPParamGroup) -> None:
                 continue
             other = None if found is None else sharding_of(found)
             if other is not None and other is not fsdp_param:
-                raise shared_between_groups(f"fully_shard({group.module_name!r})", fsdp_param.fqn, usage.module, other)
+                raise shared_between_groups(f"fully_shard({group.settings.module_name!r})", fsdp_param.fqn, usage.module, other)
             fsdp_param.adopt_loaded_param()
 
 
@@ -331,14 +329,14 @@ def _validate_compilable(root: FSDPState) -> bool:
     for state in root.subtree_states:
         if state.group is not None and state.group.keep_unsharded_storage:
             raise RuntimeError(
-                f"torch.compile: fully_shard({state.group.module_name!r}) keeps its unsharded storage across "
+                f"torch.compile: fully_shard({state.group.settings.module_name!r}) keeps its unsharded storage across "
                 "reshards (set_keep_unsharded_storage(True)), which only eager mode honours: a compiled graph's "
                 "unsharded parameters are buffers Inductor plans (CUDA graphs, mode='reduce-overhead', keep them "
                 "at fixed addresses). Turn it off to compile"
             )
         if state.group is not None and (wider := state.group.gradients_wider_than_parameters()):
             raise RuntimeError(
-                f"torch.compile: {', '.join(map(repr, wider))} of fully_shard({state.group.module_name!r}) "
+                f"torch.compile: {', '.join(map(repr, wider))} of fully_shard({state.group.settings.module_name!r}) "
                 "take gradients wider than the parameters (grad_dtype, or a grad_dtype of None beside a wider "
                 "reduce_dtype); a compiled backward gives each parameter's gradient in the parameter's own dtype, "
                 "so they would arrive rounded. Train it eagerly, or keep the parameters in the gradients' dtype and "

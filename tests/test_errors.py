@@ -122,15 +122,15 @@ def test_invalid_reshard_after_forward_raises_torch_fsdp2s_error(value, message)
 
 def test_reshard_after_forward_ints_mean_what_they_mean_in_torch_fsdp2():
     """The world size is True, 1 is False (with FSDP2's warning), another factor a smaller group to reshard to."""
-    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=4)._get_fsdp_state().group.reshard_after_forward
+    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=4)._get_fsdp_state().group.settings.reshard_after_forward
     with pytest.warns(UserWarning, match=r"reshard_after_forward=1 \(int\) means resharding parameters to world size 1"):
         module = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
-    assert not module._get_fsdp_state().group.reshard_after_forward
+    assert not module._get_fsdp_state().group.settings.reshard_after_forward
     group = fully_shard(nn.Linear(4, 4), reshard_after_forward=2)._get_fsdp_state().group
-    assert group.reshard_after_forward and group.reshard_group.size == 2
+    assert group.settings.reshard_after_forward and group.settings.reshard_group.size == 2
     module = fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
     module.set_reshard_after_forward(True)  # FSDP2: a bool reshards over the whole group again
-    assert module._get_fsdp_state().group.reshard_group is None
+    assert module._get_fsdp_state().group.settings.reshard_group is None
 
 
 def test_fully_shard_without_process_group():

@@ -577,7 +577,7 @@ def _list_worker(rank, world_size, backend):
     ours, counts = _train_tower_against_torch_fsdp2(rank, backend, _shard_as_a_list)
     if backend is None:  # compiled gloo graphs lower reduce-scatters to all-to-alls
         assert counts[0] == counts[1], counts
-    assert ours.norm._get_fsdp_state().group.module_name == "norm+head"
+    assert ours.norm._get_fsdp_state().group.settings.module_name == "norm+head"
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "compiled"])

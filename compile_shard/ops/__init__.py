@@ -56,6 +56,7 @@ from .all_gather import (
     copy_out,
     post_forward_chunk,
     reduce_accumulated_grad,
+    ReductionOptions,
 )
 from .backend import allocates_comm_tensors, gathers_as_bytes, gathers_by_send_recv, reduces_by_all_to_all
 from .reduce_scatter import (
@@ -91,6 +92,7 @@ __all__ = [
     "gathers_as_bytes",
     "gathers_by_send_recv",
     "reduce_accumulated_grad",
+    "ReductionOptions",
     "reduce_scatter_grad",
     "reduce_scatter_input",
     "reduce_scatter_input_into_",

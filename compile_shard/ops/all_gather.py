@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -21,15 +22,110 @@ from .library import _lib, register_kernels
 from .names import bound
 from .transport import _Exchange, _padded_flat
 
-# The optional arguments both differentiable gathers take (``_Options``): how the
-# gradient is reduced, mixed precision's casts, and the group's Python objects by name.
-_REDUCTION_OPTIONS = (
-    "str reduce_op='avg', float premul_factor=1.0, float postdivide_factor=1.0, "
-    "Tensor? accumulated_grad=None, bool reduce_grads=True, ScalarType? param_dtype=None, "
-    "ScalarType? reduce_dtype=None, str? replicate_group_name=None, bool all_reduce_grads=True, "
-    "Tensor? partial_reduce_output=None, str? reduce_scatter_group_name=None, str? all_reduce_hook=None, "
-    "str? all_gather_comm=None, str? reduce_scatter_comm=None, str? grad_dtypes=None"
-)
+@dataclass(frozen=True)
+class ReductionOptions:
+    """The optional arguments both differentiable gathers take: how the gradient is reduced, mixed precision's
+    casts, and the group's Python objects by name.
+
+    The one list of them: the ops' schema (``schema``) and the arguments a call passes
+    (``arguments``) are derived from these fields, in this order, with these defaults.
+    A group builds one per all-gather part from its settings (``_group``), and the ops
+    read them back (``of``).
+    """
+
+    reduce_op: str = field(default="avg", metadata={"schema": "str"})
+    premul_factor: float = field(default=1.0, metadata={"schema": "float"})
+    postdivide_factor: float = field(default=1.0, metadata={"schema": "float"})
+    accumulated_grad: torch.Tensor | None = field(default=None, metadata={"schema": "Tensor?"})
+    reduce_grads: bool = field(default=True, metadata={"schema": "bool"})
+    param_dtype: torch.dtype | None = field(default=None, metadata={"schema": "ScalarType?"})
+    reduce_dtype: torch.dtype | None = field(default=None, metadata={"schema": "ScalarType?"})
+    replicate_group_name: str | None = field(default=None, metadata={"schema": "str?"})
+    all_reduce_grads: bool = field(default=True, metadata={"schema": "bool"})
+    partial_reduce_output: torch.Tensor | None = field(default=None, metadata={"schema": "Tensor?"})
+    reduce_scatter_group_name: str | None = field(default=None, metadata={"schema": "str?"})
+    all_reduce_hook: str | None = field(default=None, metadata={"schema": "str?"})
+    all_gather_comm: str | None = field(default=None, metadata={"schema": "str?"})
+    reduce_scatter_comm: str | None = field(default=None, metadata={"schema": "str?"})
+    grad_dtypes: str | None = field(default=None, metadata={"schema": "str?"})
+
+    @classmethod
+    def schema(cls) -> str:
+        """The fields as the ops' schema declares them: ``str reduce_op='avg', float premul_factor=1.0, ...``."""
+
+        def default(value: Any) -> str:
+            return "None" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+        return ", ".join(f"{f.metadata['schema']} {f.name}={default(f.default)}" for f in fields(cls))
+
+    @classmethod
+    def of(cls, arguments: Sequence[Any]) -> ReductionOptions:
+        """The options a call passed positionally (a leading part of the fields)."""
+        return cls(*arguments)
+
+    def arguments(self) -> tuple:
+        """The values to pass, positionally, trailing defaults left out: a graph shows what differs."""
+        values, given = self.positional()
+        return values[:given]
+
+    def positional(self) -> tuple[tuple, int]:
+        """Every field's value in order, and how many of them a call passes (the trailing defaults left out)."""
+        values = tuple(getattr(self, f.name) for f in fields(self))
+        given = len(values)
+        while given and _is_default(values[given - 1], _DEFAULTS[given - 1]):
+            given -= 1
+        return values, given
+
+    @staticmethod
+    def with_accumulation(
+        values: tuple,
+        given: int,
+        accumulated_grad: torch.Tensor | None,
+        reduce_grads: bool,
+        all_reduce_grads: bool,
+        partial_reduce_output: torch.Tensor | None,
+    ) -> tuple:
+        """The arguments of one gathering: ``positional()``'s values with this step's accumulation in place.
+
+        Gradient accumulation changes these four from step to step; the rest are the
+        group's settings, which a trace reads as a constant. Plain tuple work, which
+        costs Dynamo little in every group of every trace.
+        """
+        if partial_reduce_output is not None:
+            given = max(given, _PARTIAL_REDUCE_OUTPUT + 1)
+        elif not all_reduce_grads:
+            given = max(given, _ALL_REDUCE_GRADS + 1)
+        elif not reduce_grads:
+            given = max(given, _REDUCE_GRADS + 1)
+        elif accumulated_grad is not None:
+            given = max(given, _ACCUMULATED_GRAD + 1)
+        if given <= _ACCUMULATED_GRAD:
+            return values[:given]
+        values = (
+            *values[:_ACCUMULATED_GRAD],
+            accumulated_grad,
+            reduce_grads,
+            *values[_REDUCE_GRADS + 1 : _ALL_REDUCE_GRADS],
+            all_reduce_grads,
+            partial_reduce_output,
+            *values[_PARTIAL_REDUCE_OUTPUT + 1 :],
+        )
+        return values[:given]
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is None if default is None else not isinstance(value, torch.Tensor) and value == default
+
+
+_DEFAULTS = tuple(f.default for f in fields(ReductionOptions))
+_INDEX = {f.name: index for index, f in enumerate(fields(ReductionOptions))}
+_ACCUMULATED_GRAD, _REDUCE_GRADS = _INDEX["accumulated_grad"], _INDEX["reduce_grads"]
+_ALL_REDUCE_GRADS, _PARTIAL_REDUCE_OUTPUT = _INDEX["all_reduce_grads"], _INDEX["partial_reduce_output"]
+# ``with_accumulation`` writes each pair in one place.
+assert _REDUCE_GRADS == _ACCUMULATED_GRAD + 1 and _PARTIAL_REDUCE_OUTPUT == _ALL_REDUCE_GRADS + 1
+
+
+_REDUCTION_OPTIONS = ReductionOptions.schema()
 _lib.define(
     f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
     f"{_REDUCTION_OPTIONS}) -> Tensor"
@@ -103,29 +199,8 @@ def _copy_in_meta(shards, padded_numels, dtype=None):
 # all_gather_into ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Options:
-    """``all_gather_into``'s optional arguments, defaults filled in (a call passes any leading part)."""
-
-    reduce_op: str = "avg"
-    premul_factor: float = 1.0
-    postdivide_factor: float = 1.0
-    accumulated_grad: torch.Tensor | None = None
-    reduce_grads: bool = True
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    replicate_group_name: str | None = None
-    all_reduce_grads: bool = True
-    partial_reduce_output: torch.Tensor | None = None
-    reduce_scatter_group_name: str | None = None
-    all_reduce_hook: str | None = None
-    all_gather_comm: str | None = None
-    reduce_scatter_comm: str | None = None
-    grad_dtypes: str | None = None
-
-
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
-    options = _Options(*options)
+    options = ReductionOptions.of(options)
     _check_shards(shards, padded_numels, options.param_dtype)
     all_gather_input = _copy_in_kernel(shards, padded_numels, options.param_dtype)
     funcol = torch.ops._c10d_functional
@@ -145,7 +220,7 @@ def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *opti
 
 
 def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *options):
-    param_dtype = _Options(*options).param_dtype
+    param_dtype = ReductionOptions.of(options).param_dtype
     _check_shards(shards, padded_numels, param_dtype)
     return shards[0].new_empty(world_size * sum(padded_numels), dtype=param_dtype)
 
@@ -156,7 +231,7 @@ def _all_gather_into_setup_context(ctx, inputs, output):
     ctx.padded_numels = padded_numels
     ctx.world_size = world_size
     ctx.group_name = group_name
-    ctx.options = _Options(*options)
+    ctx.options = ReductionOptions.of(options)
     # torch 2.15's grad_dtype: the sharded gradients' dtypes, named (``grad_dtypes``), else the shards'.
     ctx.shard_dtypes = (
         [shard.dtype for shard in shards]
@@ -263,13 +338,13 @@ def reduce_accumulated_grad(
     padded_numels: Sequence[int],
     world_size: int,
     group_name: str,
-    *options,
+    options: ReductionOptions,
 ) -> list[torch.Tensor | None]:
     """The shards' gradients from a buffer of gradients accumulated without sync, reduced outside any backward.
 
     FSDP2's ``finalize_backward`` (torch 2.15) with sync turned back on: what ``all_gather_into``'s
     backward would reduce with ``accumulated_grad`` and no gradient of its own, in the same ops
-    (``options``: the group's, as a gathering passes them; the accumulation ones are ignored).
+    (``options``: the group's; the accumulation ones are ignored).
     """
     ctx = _ReductionContext(
         shard_shapes=[shard.shape for shard in shards],
@@ -277,7 +352,7 @@ def reduce_accumulated_grad(
         padded_numels=padded_numels,
         world_size=world_size,
         group_name=group_name,
-        options=dataclasses.replace(_Options(*options), accumulated_grad=None, reduce_grads=True),
+        options=dataclasses.replace(options, accumulated_grad=None, reduce_grads=True),
     )
     return reduce_unsharded_grad(ctx, accumulated_grad)
 
@@ -291,7 +366,7 @@ class _ReductionContext:
     padded_numels: Sequence[int]
     world_size: int
     group_name: str
-    options: _Options
+    options: ReductionOptions
 
 
 def _shard_grad(padded_grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
