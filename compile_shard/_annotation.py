@@ -71,7 +71,7 @@ class GroupAnnotation:
     reduce_scatter_unused_params: bool = False
     # FSDP2's set_reshard_after_backward(False): the forward's unsharded parameters are graph
     # outputs the group keeps for the next forward, not a graph break's ([Note: unsharded
-    # parameters kept after backward] in compile_shard._group).
+    # parameters kept after backward] in compile_shard._group_gather).
     kept_after_backward: bool = False
     # FSDP2's MixedPrecisionPolicy as the graph must show it ([Note: mixed-precision
     # dtypes] in passes.verify), as ``str(dtype)``: what each all-gather output may be,

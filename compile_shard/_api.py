@@ -227,7 +227,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         refreshed, so set it back to True for the last micro-batch (or call
         ``reshard()``) before the optimizer step. Compiled, a group holding kept
         parameters runs a graph of its own ([Note: unsharded parameters kept after
-        backward] in compile_shard._group).
+        backward] in compile_shard._group_gather).
         """
         for group in self._groups(recurse):
             if not reshard_after_backward and group.settings.reshard_group is not None:
@@ -277,7 +277,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
         Enabled, micro-batches accumulate their gradients without sync
         (``set_requires_gradient_sync(False)``), sync goes back on, and
         ``finalize_backward()`` reduces the accumulated gradients without another
-        backward ([Note: manual backward finalization] in compile_shard._group). Call it on
+        backward ([Note: manual backward finalization] in compile_shard._group_config). Call it on
         the root, outside backward.
         """
         state = self._get_fsdp_state()
@@ -341,7 +341,7 @@ class FSDPModule(CountsWrites, TorchFSDPModule):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divides this module's reduced gradients by ``factor`` instead of the world size (not recursive).
 
-        FSDP2's semantics (``compile_shard._group.GradientReduction``). Set it before
+        FSDP2's semantics (``compile_shard._group_settings.GradientReduction``). Set it before
         compiling or between steps: a compiled model recompiles for a new factor.
         """
         for group in self._groups():

@@ -7,6 +7,7 @@ treats as one constant ([Note: settings a trace reads as constants]).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -234,3 +235,53 @@ class GroupSettings:
     all_reduce_hook_name: str | None = None
     all_gather_comm_name: str | None = None
     reduce_scatter_comm_name: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupDtypes:
+    """What the parameters' dtypes and the mixed-precision policy make of a group: FSDP2's ``_init_mp_dtypes``.
+
+    [Note: dtypes settled before each step]
+    FSDP2 settles its dtypes at its lazy init, the first forward: a model sharded in
+    bf16 and then cast with ``.to(torch.float32)`` trains in fp32, and a policy's
+    dtypes are clamped against the parameters' dtypes of then. compile_shard settles
+    them at ``fully_shard`` and again wherever the parameters' dtypes, ``requires_grad``
+    or ``grad_dtype`` changed since (``key``): in ``_apply`` (``module.to``) and before
+    each of the root's steps, where a new settings version makes a compiled model
+    recompile. As at FSDP2's lazy init, the trainable parameters of a group must share
+    one dtype by then (``AssertionError``, FSDP2's type): their gradients are reduced as
+    one buffer.
+    """
+
+    #: What they were resolved from: each parameter's dtype, ``requires_grad`` and ``grad_dtype``.
+    key: tuple
+    all_gather_parts: tuple[AllGatherPart, ...]
+    #: The dtype of the group's unsharded gradients: its trainable parameters' wire dtype.
+    gradient_dtype: torch.dtype
+    #: What gradients are cast to for the reduction; None where they are reduced in their own dtype.
+    reduce_dtype: torch.dtype | None
+
+    @property
+    def reduction_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced (and accumulated without sync) in: FSDP2's order of fallbacks."""
+        return self.reduce_dtype or self.gradient_dtype
+
+    @staticmethod
+    def key_of(fsdp_params: list[FSDPParam]) -> tuple:
+        return tuple(
+            (fsdp_param.sharded_param.dtype, fsdp_param.sharded_param.requires_grad, fsdp_param.grad_dtype_policy)
+            for fsdp_param in fsdp_params
+        )
+
+    @classmethod
+    def resolve(cls, fsdp_params: list[FSDPParam], mp_policy: MixedPrecisionPolicy) -> GroupDtypes:
+        gradient_dtype = gradient_dtype_of(fsdp_params, mp_policy)
+        reduce_dtype = reduce_dtype_of(fsdp_params, mp_policy, gradient_dtype)
+        reduction_dtype = reduce_dtype or gradient_dtype
+        parts = []
+        for part in all_gather_parts_of(fsdp_params, mp_policy):  # [Note: grad_dtype] in compile_shard._param
+            dtypes = [fsdp_params[index].sharded_grad_dtype(reduction_dtype) for index in part.indices]
+            differs = any(dtype != fsdp_params[index].sharded_param.dtype for dtype, index in zip(dtypes, part.indices))
+            names = ",".join(str(dtype).removeprefix("torch.") for dtype in dtypes) if differs else None
+            parts.append(dataclasses.replace(part, grad_dtypes=names))
+        return cls(cls.key_of(fsdp_params), tuple(parts), gradient_dtype, reduce_dtype)

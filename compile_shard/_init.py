@@ -273,7 +273,7 @@ def resolve_reshard_after_forward(label: str, reshard_after_forward: Any, world_
 
     FSDP2 reads the int 1 as False (with a warning) and the shard group's size as True;
     another factor of that size is the size of the smaller group to reshard to
-    ([Note: resharding to a smaller group] in ``_group``); anything else is FSDP2's
+    ([Note: resharding to a smaller group] in ``_group_settings``); anything else is FSDP2's
     ``ValueError``.
     """
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
@@ -317,7 +317,7 @@ def chosen_shard_dim(label: str, fqn: str, param: nn.Parameter, shard_placement_
             "dim: return Shard(dim) or None"
         )
     if not -param.dim() <= placement.dim < param.dim():
-        raise ValueError(
+        raise AssertionError(  # FSDP2's type
             f"fully_shard({label}): shard_placement_fn gave {placement!r} for {fqn!r}, a {param.dim()}-D parameter "
             f"of shape {tuple(param.shape)}"
         )

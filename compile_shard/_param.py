@@ -25,7 +25,7 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 - wire dtype: what a parameter is all-gathered and computed in, the mixed-precision
   policy's ``param_dtype`` for a floating-point parameter, else its own dtype. A
   group gathers each wire dtype in one all-gather, an all-gather part
-  (``_group.AllGatherPart``, [Note: one all-gather per wire dtype]); most groups have one.
+  (``_group_settings.AllGatherPart``, [Note: one all-gather per wire dtype]); most groups have one.
 - all-gather output: the flat buffer every rank's all-gather input lands in, rank by
   rank (rank-major).
 - copy-out: the views and copies from the all-gather output to each unsharded
@@ -48,7 +48,7 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   their all-gather outputs ([Note: all-gather extensions]).
 - post-forward chunk: with ``reshard_after_forward=<int>``, the part of a group's
   all-gather output a rank keeps between forward and backward, gathered back over the
-  smaller group in backward ([Note: resharding to a smaller group] in ``_group``).
+  smaller group in backward ([Note: resharding to a smaller group] in ``_group_settings``).
 - sharded gradient: this rank's reduced rows, the ``.grad`` of the sharded parameter.
 - group (``FSDPParamGroup``): the parameters of one ``fully_shard`` call, gathered by
   one all-gather and reduced by one reduce-scatter; named after its module
@@ -285,7 +285,7 @@ class FSDPParam:
     the all-gather reads it detached while ``sharded_param.requires_grad`` is False
     (``all_gather_shard``), and freezing a parameter after compiling recompiles
     instead of computing its gradient ([Note: settings a trace reads as constants]
-    in compile_shard._group). ``shard`` follows
+    in compile_shard._group_gather). ``shard`` follows
     the local tensor through ``reset_sharded_param``; a local tensor replaced any
     other way (``param.data = ...``) is not seen, as with FSDP2.
 
@@ -552,7 +552,7 @@ class FSDPParam:
         """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient, on the mesh's device.
 
         ``requires_grad``: the sharded parameter's, as the caller read it ([Note: settings
-        a trace reads as constants] in compile_shard._group).
+        a trace reads as constants] in compile_shard._group_gather).
 
         [Note: CPU offload]
         FSDP2's ``CPUOffloadPolicy`` on an accelerator's mesh: the padded shard, and with

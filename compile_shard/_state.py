@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ._attribute_writes import count_writes
 from ._classes import user_class_name
-from ._group import FSDPParamGroup
+from ._group import FSDPParamGroup, tensors_in
 from ._param import shared_between_groups, sharding_of
 from ._region import accepts_region_call, enters_gathered_as_views, runs_outside_regions
 from ._gc_during_compile import defer_full_collections_while_compiling
@@ -50,7 +50,7 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.is_root = True
         self.lazy_initialized = False  # whether the root's first forward ran FSDP2's lazy-init steps
-        # FSDP2's set_manual_backward_finalization ([Note: manual backward finalization] in _group).
+        # FSDP2's set_manual_backward_finalization ([Note: manual backward finalization] in _group_config).
         self.manual_backward_finalization = False
         self.subtree_states: list[FSDPState] = []
         self._final_callback_queued = False
@@ -190,7 +190,7 @@ class FSDPState:
 
         ``requires_grad_noted``: the root's eager forward compared the parameters'
         ``requires_grad`` before this trace's frame ([Note: settings a trace reads as
-        constants] in compile_shard._group); else the trace reads those it gathers.
+        constants] in compile_shard._group_gather); else the trace reads those it gathers.
         """
         if self.is_root:
             if torch.compiler.is_compiling():
@@ -253,8 +253,8 @@ class FSDPState:
                 torch.autograd.Variable._execution_engine.queue_callback(self._root_post_backward_final_callback)
             return grad
 
-        for tensor in tree_flatten(output)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        for tensor in tensors_in(output):
+            if tensor.requires_grad:
                 tensor.register_hook(hook)
 
     def _root_post_backward_final_callback(self) -> None:

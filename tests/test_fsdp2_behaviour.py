@@ -8,6 +8,7 @@ the test says so and docs/api.md's table of differences lists it.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -465,7 +466,7 @@ def test_a_parameter_assigned_after_fully_shard_on_meta_is_sharded_at_the_first_
     run_gloo(_assigned_worker, 2, backend)
 
 
-def _two_tensor_worker(rank, world_size, patched_after_fully_shard):
+def _two_tensor_worker(rank, world_size, patched_after_fully_shard, mesh_shape):
     """TwoTensor parameters built on meta, materialized with to_empty; an all-gather extension on the class, or set
     on each local tensor after fully_shard (FSDP2 reads it again at its lazy init)."""
     from torch.testing._internal.two_tensor import TwoTensor
@@ -486,13 +487,15 @@ def _two_tensor_worker(rank, world_size, patched_after_fully_shard):
             model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 4, bias=False))
             for layer in (model[0], model[2]):
                 layer.weight = nn.Parameter(TwoTensor(layer.weight, layer.weight.clone()))
-        shard(model[0])
-        shard(model)
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape) :])
+        shard(model[0], mesh=mesh)
+        shard(model, mesh=mesh)
         model.to_empty(device="cpu")
         generator = torch.Generator().manual_seed(0)
+        shards, shard_rank = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
         with torch.no_grad():
             for param in model.parameters():
-                rows = torch.randn(param.shape, generator=generator).chunk(world_size)[rank] * 0.3
+                rows = torch.randn(param.shape, generator=generator).chunk(shards)[shard_rank] * 0.3
                 param.to_local().a.copy_(rows)
                 param.to_local().b.copy_(rows)
         for param in model.parameters():
@@ -521,7 +524,31 @@ def _two_tensor_worker(rank, world_size, patched_after_fully_shard):
 
 @pytest.mark.parametrize("patched_after_fully_shard", [False, True], ids=["plain", "extension_set_after"])
 def test_tensor_subclass_parameters_initialized_on_meta_train_as_with_torch_fsdp2(patched_after_fully_shard):
-    run_gloo(_two_tensor_worker, 2, patched_after_fully_shard)
+    run_gloo(_two_tensor_worker, 2, patched_after_fully_shard, (2,))
+
+
+def _one_rank_shard_group_worker(rank, world_size):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.a, self.b), None
+
+    def post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return TwoTensor(*all_gather_outputs), all_gather_outputs  # TwoTensor needs equal storage offsets
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    linear = nn.Linear(4, 4, bias=False)
+    linear.weight = nn.Parameter(TwoTensor(linear.weight.detach(), linear.weight.detach().clone()))
+    fully_shard(linear, mesh=mesh)
+    local = linear.weight._local_tensor
+    local.fsdp_pre_all_gather = pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = post_all_gather.__get__(local)
+    linear(torch.randn(2, 4)).sum().backward()
+
+
+def test_an_extensions_inputs_come_back_as_tensors_of_their_own_where_a_shard_group_has_one_rank():
+    """FSDP2 hands fsdp_post_all_gather one tensor per input (a subclass may require equal storage offsets)."""
+    run_gloo(_one_rank_shard_group_worker, 2)
 
 
 # Several forwards before one backward, activation checkpointing ---------------------------
@@ -984,3 +1011,99 @@ def _profiler_worker(rank, world_size):
 def test_an_eager_step_records_torch_fsdp2s_profiler_ranges():
     """A profile of an eager step reads like FSDP2's: its range names around the same phases, per group."""
     run_gloo(_profiler_worker, 2)
+
+
+# Structured activations, tensor parallelism under activation checkpointing -------------------
+
+
+@dataclasses.dataclass
+class _Pair:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class _PairBlock(nn.Module):
+    """A block that hands the next its activations in a dataclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, pair: _Pair) -> _Pair:
+        return _Pair(torch.tanh(self.linear(pair.first)), self.linear(pair.second))
+
+
+class _PairModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_PairBlock() for _ in range(2))
+
+    def forward(self, x):
+        pair = _Pair(x, x * 2)
+        for block in self.blocks:
+            pair = block(pair)
+        return pair.first + pair.second
+
+
+def _dataclass_worker(rank, world_size):
+    torch.manual_seed(0)
+
+    def shard_model(model, shard):
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+
+    models, _ = _sharded_pair(_PairModel(), shard_model)
+    for step in range(2):
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + rank))
+        for model in models.values():
+            model(inputs).square().mean().backward()
+        _assert_gradients_like_torch(models)
+        for model in models.values():
+            model.zero_grad()
+
+
+def test_activations_in_a_dataclass_train_as_with_torch_fsdp2():
+    """FSDP2 finds a module's output tensors in dataclasses too: each gets the pre-backward unshard."""
+    run_gloo(_dataclass_worker, 2)
+
+
+class _TensorParallelBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _tensor_parallel_checkpoint_worker(rank, world_size, reshard_after_forward):
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    base = nn.Sequential(_TensorParallelBlock(), _TensorParallelBlock())
+
+    def shard_model(model, shard):
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            checkpoint(block)  # composable activation checkpointing, as torch's tests apply it
+            shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        shard(model, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+
+    models, _ = _sharded_pair(base, shard_model)
+    for step in range(2):
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + mesh["dp"].get_local_rank()))
+        for model in models.values():
+            model(inputs).square().mean().backward()
+        _assert_gradients_like_torch(models)
+        for model in models.values():
+            model.zero_grad()
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_tensor_parallel_blocks_under_composable_checkpointing_train_as_with_torch_fsdp2(reshard_after_forward):
+    """The recompute saves what the forward saved: a tensor-parallel parameter is shown as a new DTensor again."""
+    run_gloo(_tensor_parallel_checkpoint_worker, 4, reshard_after_forward)

@@ -667,7 +667,10 @@ def test_cpu_offload_pinning_memory_without_an_accelerator_fails_as_in_torch_fsd
 
 
 def test_a_shard_dim_out_of_range_is_refused(fake_pg):
-    with pytest.raises(ValueError, match=r"gave Shard\(dim=2\) for 'weight', a 2-D parameter"):
+    for shard in (fully_shard, torch_fully_shard):  # FSDP2's exception type
+        with pytest.raises(AssertionError):
+            shard(nn.Linear(4, 4), shard_placement_fn=lambda param: Shard(2))
+    with pytest.raises(AssertionError, match=r"gave Shard\(dim=2\) for 'weight', a 2-D parameter"):
         fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda param: Shard(2))
 
 

@@ -29,7 +29,7 @@ class ReductionOptions:
 
     The one list of them: the ops' schema (``schema``) and the arguments a call passes
     (``arguments``) are derived from these fields, in this order, with these defaults.
-    A group builds one per all-gather part from its settings (``_group``), and the ops
+    A group builds one per all-gather part from its settings (``_group_config``), and the ops
     read them back (``of``).
     """
 
@@ -244,7 +244,7 @@ def _all_gather_into_backward(ctx, all_gather_output_grad):
     """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction.
 
     ``reduce_op``, ``premul_factor`` and ``postdivide_factor`` spell FSDP2's choice of
-    reduce op and divide factors (``compile_shard._group.GradientReduction``): the
+    reduce op and divide factors (``compile_shard._group_settings.GradientReduction``): the
     gradient is multiplied by ``premul_factor`` before the reduction (NCCL's
     ``PREMUL_SUM``) and divided by ``postdivide_factor`` after it.
 
@@ -535,7 +535,7 @@ def as_gathered_views(unsharded, shards, padded_numels, world_size, group_name, 
 # post_forward_chunk ------------------------------------------------------------------
 # A copy of chunk ``rank`` of ``size`` equal chunks of an all-gather output: what a rank
 # keeps after forward when it reshards to a smaller group ([Note: resharding to a
-# smaller group] in compile_shard._group). An op of its own, not a slice and a clone:
+# smaller group] in compile_shard._group_settings). An op of its own, not a slice and a clone:
 # Inductor removes the clone, and the partitioner would then recompute the slice (a
 # view) in backward from a gather over the whole group instead of saving it.
 
