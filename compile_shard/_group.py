@@ -11,14 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import ops
 from ._group_gather import GatheringGroup
-from ._group_settings import ReshardGroup
-from ._param import FSDPParam
 
 
 class TrainingState(enum.Enum):
@@ -192,19 +188,11 @@ class FSDPParamGroup(GatheringGroup):
     ``_group_gather``).
     """
 
-    def __init__(
-        self,
-        fsdp_params: list[FSDPParam],
-        module_name: str,
-        mesh: DeviceMesh,
-        reshard_after_forward: bool,
-        forwards_per_iteration: int = 1,
-        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-        reshard_group: ReshardGroup | None = None,
-    ):
-        super().__init__(
-            fsdp_params, module_name, mesh, reshard_after_forward, forwards_per_iteration, mp_policy, reshard_group
-        )
+    def __init__(self, *args: Any, **kwargs: Any):
+        """``ConfiguredGroup``'s arguments; then the lifecycle's state."""
+        super().__init__(*args, **kwargs)
+        self.kept_after_backward = None
+        self._kept_by_trace = False
         self.training_state = TrainingState.IDLE
         self.forwards_left = 0
         # FSDP2's set_unshard_in_backward: False for a group whose backward reads no

@@ -11,13 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import ops
 from ._annotation import annotating_group, group_metadata
-from ._group_settings import AllGatherPart, GatherSettings, PartSettings, ReshardGroup, TracedSettings, wire_dtype
-from ._param import FSDPParam
+from ._group_settings import AllGatherPart, GatherSettings, PartSettings, TracedSettings, wire_dtype
 
 
 
@@ -58,23 +55,11 @@ def traced_settings(group: ConfiguredGroup, settings_version: int) -> TracedSett
 class GatheringGroup(ConfiguredGroup):
     """A group's all-gathers and copy-outs: one all-gather per part, one tensor per parameter."""
 
-    def __init__(
-        self,
-        fsdp_params: list[FSDPParam],
-        module_name: str,
-        mesh: DeviceMesh,
-        reshard_after_forward: bool,
-        forwards_per_iteration: int = 1,
-        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-        reshard_group: ReshardGroup | None = None,
-    ):
-        super().__init__(
-            fsdp_params, module_name, mesh, reshard_after_forward, forwards_per_iteration, mp_policy, reshard_group
-        )
-        # The unsharded parameters kept after backward ([Note: unsharded parameters kept after backward]),
-        # and whether a traced forward kept them.
-        self.kept_after_backward: tuple[torch.Tensor, ...] | None = None
-        self._kept_by_trace = False
+    #: The unsharded parameters kept after backward ([Note: unsharded parameters kept after backward]),
+    #: and whether a traced forward kept them: the lifecycle's state (``FSDPParamGroup.__init__``), which a
+    #: trace reads too. Instance attributes from the start: Dynamo guards on the instance's dictionary.
+    kept_after_backward: tuple[torch.Tensor, ...] | None
+    _kept_by_trace: bool
 
     def _all_gather_options(self, settings: PartSettings) -> tuple:
         """``fsdp::all_gather_into``'s optional arguments for this gathering, trailing defaults left out.

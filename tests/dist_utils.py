@@ -12,7 +12,6 @@ import os
 import sys
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp

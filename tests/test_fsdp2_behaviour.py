@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -622,6 +623,7 @@ def _two_forwards_worker(rank, world_size, recipe, reshard_after_forward, backen
         base, lambda model, shard: _shard_stack(model, shard, recipe, reshard_after_forward), backend
     )
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
+    counters.clear()
     for step in range(2):
         generator = torch.Generator().manual_seed(10 * step + rank)
         chosen, rejected = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
@@ -635,6 +637,8 @@ def _two_forwards_worker(rank, world_size, recipe, reshard_after_forward, backen
         torch.testing.assert_close(losses["ours"], losses["torch"], rtol=0, atol=atol)
         _assert_gradients_like_torch(models, atol)
         _step(optimizers)
+    if backend is not None:  # one graph, reused by both forwards of every step
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
 
 
 @pytest.mark.parametrize(
@@ -719,6 +723,7 @@ def _chunked_worker(rank, world_size, pattern, reshard_after_forward, backend):
     models, runs = _sharded_pair(_ChunkedHead(full=pattern == "grouped_then_member"), shard_model, backend)
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-2) for name, model in models.items()}
     atol = 0 if backend is None else 1e-6
+    counters.clear()
     for step in range(3):
         generator = torch.Generator().manual_seed(10 * step + rank)
         tokens, targets = torch.randint(0, 16, (2, 8), generator=generator), torch.randint(0, 16, (2, 8), generator=generator)
@@ -726,6 +731,8 @@ def _chunked_worker(rank, world_size, pattern, reshard_after_forward, backend):
         torch.testing.assert_close(losses["ours"], losses["torch"], rtol=0, atol=atol)
         _assert_gradients_like_torch(models, atol)
         _step(optimizers)
+    if backend is not None:  # the model's forward in one graph; the member's own calls run eagerly
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
 
 
 @pytest.mark.parametrize(
