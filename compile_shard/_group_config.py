@@ -78,7 +78,7 @@ class ConfiguredGroup:
             model_groups=(module_name,),
         )
         self.mp_policy = mp_policy
-        # [Note: all-gather extensions] in compile_shard._param.
+        # [Note: all-gather extensions] in compile_shard._extension.
         self.has_extensions = any(fsdp_param.has_extension for fsdp_param in fsdp_params)
         # Whether the unshard could be one all-gather per part and a plain copy-out, extensions aside.
         self._gathers_plainly = (
@@ -253,7 +253,7 @@ class ConfiguredGroup:
         return tuple(fsdp_param.sharded_param.requires_grad for fsdp_param in self.fsdp_params)
 
     def _extensions_changed(self) -> None:
-        """What depends on whether the group has all-gather extensions ([Note: all-gather extensions] in ``_param``)."""
+        """What depends on whether the group has all-gather extensions ([Note: all-gather extensions] in ``_extension``)."""
         if self.has_extensions and self.settings.reshard_group is not None:
             raise NotImplementedError(
                 f"fully_shard({self.settings.module_name}): reshard_after_forward as a smaller group is not supported for "

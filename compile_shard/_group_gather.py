@@ -94,7 +94,7 @@ class GatheringGroup(ConfiguredGroup):
 
         One all-gather per dtype of the all-gather inputs: the extensions' inputs and the
         other parameters' shards cast to their wire dtype ([Note: all-gather extensions]
-        in compile_shard._param).
+        in compile_shard._extension).
         """
         mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
         inputs: list[list[torch.Tensor]] = []

@@ -45,7 +45,7 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
 - all-gather extension: a parameter whose local tensor is a tensor subclass with FSDP2's
   ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``; its all-gather inputs are what
   the first makes of the shard, and its unsharded parameter what the second makes of
-  their all-gather outputs ([Note: all-gather extensions]).
+  their all-gather outputs ([Note: all-gather extensions] in ``_extension``).
 - post-forward chunk: with ``reshard_after_forward=<int>``, the part of a group's
   all-gather output a rank keeps between forward and backward, gathered back over the
   smaller group in backward ([Note: resharding to a smaller group] in ``_group_settings``).
@@ -69,7 +69,6 @@ moves as one), and a bucket's *members* (the groups it merged).
 
 from __future__ import annotations
 
-import inspect
 import math
 import weakref
 from dataclasses import dataclass
@@ -85,6 +84,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import ops
 from ._classes import subclass, user_class, user_class_name
+from ._extension import AllGatherExtension
 from ._layout import padded_rows
 from ._tensor_parallel import (
     shard_placements,
@@ -244,98 +244,67 @@ def _adopting_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
         fsdp_param.adopt_loaded_param()
 
 
-def _has_all_gather_extension(local_tensor: torch.Tensor, fqn: str) -> bool:
-    """Whether the parameter's local tensor implements FSDP2's all-gather extension protocol."""
-    has_pre = hasattr(local_tensor, "fsdp_pre_all_gather")
-    if has_pre != hasattr(local_tensor, "fsdp_post_all_gather"):
-        raise ValueError(
-            f"fully_shard: parameter {fqn!r} is a {type(local_tensor).__name__} with only one of "
-            "fsdp_pre_all_gather and fsdp_post_all_gather; an all-gather extension defines both, as in FSDP2"
-        )
-    return has_pre
+# [Note: sharded storage]
+# ``sharded_param`` is an ``nn.Parameter`` wrapping a DTensor (``Shard(0)``), which
+# is what the optimizer, ``clip_grad_norm_`` and ``state_dict()`` see. Its local
+# tensor is a view of ``padded_shard``, a buffer of ``padded_rows`` rows that
+# every rank allocates with the same size (FSDP2's layout): rows past the rank's
+# real shard are padding, never visible to the user, never read back. The
+# all-gather's copy-in still pads on its own: it reads ``shard`` (below), which
+# holds the real rows only.
+# When something outside fully_shard replaces the local tensor's storage (for
+# example ``model.to_empty()`` after meta-device init), ``reset_sharded_param``
+# copies the new values into fresh padded storage and re-points the same local
+# tensor at it with ``fsdp::set_``, so any object holding the local tensor (an
+# optimizer state, a state dict) stays valid.
+#
+# [Note: the shard autograd sees]
+# The all-gather reads ``shard``, a plain tensor that shares the local tensor's
+# storage (``detach()``) and is a leaf of its own, not the DTensor through
+# ``to_local()``. A DTensor graph input costs torch.compile per parameter: Dynamo
+# builds a fake DTensor and guards on its spec, AOTAutograd traces through its
+# subclass wrapping and wraps its gradient at every call (docs/benchmarks.md has
+# the cost on config B). The gradient reaches ``sharded_param.grad``
+# through ``shard``'s post-accumulate-grad hook instead, which FSDP2 also
+# writes by hand: set, or added to a gradient already there (accumulation), then
+# the parameter's own post-accumulate-grad hooks. ``shard`` always requires grad;
+# the all-gather reads it detached while ``sharded_param.requires_grad`` is False
+# (``all_gather_shard``), and freezing a parameter after compiling recompiles
+# instead of computing its gradient ([Note: settings a trace reads as constants]
+# in compile_shard._group_gather). ``shard`` follows
+# the local tensor through ``reset_sharded_param``; a local tensor replaced any
+# other way (``param.data = ...``) is not seen, as with FSDP2.
+#
+# [Note: a sharded parameter assigned by load_state_dict]
+# ``load_state_dict(state_dict, assign=True)`` puts the state dict's own parameters
+# into the modules: FSDP2's tutorial loads a checkpoint into a model built on meta
+# that way, from DTensors made with ``distribute_tensor(full, mesh, placements)`` of
+# the sharded parameters. As in FSDP2 (a post-load hook per module), the new
+# parameter then becomes the sharded parameter (``adopt_loaded_param``): it must have
+# the sharded parameter's mesh, placements and shape; its values are copied into
+# fresh padded storage by ``reset_sharded_param``, and every module that shares the
+# parameter gets it, so tied weights stay tied. An optimizer built before the load
+# holds the replaced parameters, as with FSDP2: build it after loading.
+#
+# [Note: sharding on another dim]
+# FSDP2's ``shard_placement_fn`` may shard a parameter on a dim ``d > 0``. Everything
+# here shards rows, so such a parameter is sharded as its transpose
+# ``param.transpose(0, d)``: the padded shard, ``shard``, the all-gather, the copy-out
+# and the reduction all see that transpose's rows, unchanged, and the passes with them.
+# The sharded parameter's local tensor is transposed back, a view of the same storage,
+# so the optimizer and the state dicts see ``Shard(d)`` and the original shape, and a
+# gradient arriving for ``shard`` is transposed back the same way. The copy-out
+# transposes each gathered parameter back into a contiguous copy
+# (``unsharded_from_rows``): the modules compute with FSDP2's contiguous unsharded
+# parameter, whose kernels a transposed view would change, and that copy is what the
+# group frees and refills. Each rank holds the same rows of dim ``d`` as in FSDP2,
+# whose local tensor is contiguous where this one is a transposed view.
 
 
 class FSDPParam:
-    """The sharded form of one original parameter.
+    """The sharded form of one original parameter: its padded storage, the shard, and what the modules read.
 
-    [Note: sharded storage]
-    ``sharded_param`` is an ``nn.Parameter`` wrapping a DTensor (``Shard(0)``), which
-    is what the optimizer, ``clip_grad_norm_`` and ``state_dict()`` see. Its local
-    tensor is a view of ``padded_shard``, a buffer of ``padded_rows`` rows that
-    every rank allocates with the same size (FSDP2's layout): rows past the rank's
-    real shard are padding, never visible to the user, never read back. The
-    all-gather's copy-in still pads on its own: it reads ``shard`` (below), which
-    holds the real rows only.
-    When something outside fully_shard replaces the local tensor's storage (for
-    example ``model.to_empty()`` after meta-device init), ``reset_sharded_param``
-    copies the new values into fresh padded storage and re-points the same local
-    tensor at it with ``fsdp::set_``, so any object holding the local tensor (an
-    optimizer state, a state dict) stays valid.
-
-    [Note: the shard autograd sees]
-    The all-gather reads ``shard``, a plain tensor that shares the local tensor's
-    storage (``detach()``) and is a leaf of its own, not the DTensor through
-    ``to_local()``. A DTensor graph input costs torch.compile per parameter: Dynamo
-    builds a fake DTensor and guards on its spec, AOTAutograd traces through its
-    subclass wrapping and wraps its gradient at every call (docs/benchmarks.md has
-    the cost on config B). The gradient reaches ``sharded_param.grad``
-    through ``shard``'s post-accumulate-grad hook instead, which FSDP2 also
-    writes by hand: set, or added to a gradient already there (accumulation), then
-    the parameter's own post-accumulate-grad hooks. ``shard`` always requires grad;
-    the all-gather reads it detached while ``sharded_param.requires_grad`` is False
-    (``all_gather_shard``), and freezing a parameter after compiling recompiles
-    instead of computing its gradient ([Note: settings a trace reads as constants]
-    in compile_shard._group_gather). ``shard`` follows
-    the local tensor through ``reset_sharded_param``; a local tensor replaced any
-    other way (``param.data = ...``) is not seen, as with FSDP2.
-
-    [Note: a sharded parameter assigned by load_state_dict]
-    ``load_state_dict(state_dict, assign=True)`` puts the state dict's own parameters
-    into the modules: FSDP2's tutorial loads a checkpoint into a model built on meta
-    that way, from DTensors made with ``distribute_tensor(full, mesh, placements)`` of
-    the sharded parameters. As in FSDP2 (a post-load hook per module), the new
-    parameter then becomes the sharded parameter (``adopt_loaded_param``): it must have
-    the sharded parameter's mesh, placements and shape; its values are copied into
-    fresh padded storage by ``reset_sharded_param``, and every module that shares the
-    parameter gets it, so tied weights stay tied. An optimizer built before the load
-    holds the replaced parameters, as with FSDP2: build it after loading.
-
-    [Note: sharding on another dim]
-    FSDP2's ``shard_placement_fn`` may shard a parameter on a dim ``d > 0``. Everything
-    here shards rows, so such a parameter is sharded as its transpose
-    ``param.transpose(0, d)``: the padded shard, ``shard``, the all-gather, the copy-out
-    and the reduction all see that transpose's rows, unchanged, and the passes with them.
-    The sharded parameter's local tensor is transposed back, a view of the same storage,
-    so the optimizer and the state dicts see ``Shard(d)`` and the original shape, and a
-    gradient arriving for ``shard`` is transposed back the same way. The copy-out
-    transposes each gathered parameter back into a contiguous copy
-    (``unsharded_from_rows``): the modules compute with FSDP2's contiguous unsharded
-    parameter, whose kernels a transposed view would change, and that copy is what the
-    group frees and refills. Each rank holds the same rows of dim ``d`` as in FSDP2,
-    whose local tensor is contiguous where this one is a transposed view.
-
-    [Note: all-gather extensions]
-    FSDP2's protocol for tensor-subclass parameters (quantized all-gathers, float8
-    training): a local tensor with ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``.
-    Before each all-gather, ``fsdp_pre_all_gather(mesh, size, stride, module,
-    mp_policy)`` makes the shard into all-gather inputs (several, of any dtypes, each of
-    the padded shard's size when the parameter is sharded unevenly) and metadata; each
-    input is gathered rank-major, and ``fsdp_post_all_gather(outputs, metadata,
-    param_dtype)`` makes the unsharded parameter of them, whose first ``rows`` rows the
-    modules compute with. The group gathers the inputs by dtype
-    (``FSDPParamGroup._gather_with_extensions``), under no_grad: nothing the transforms
-    compute is differentiated. As in FSDP2, the gradient of the unsharded parameter is
-    the sharded parameter's, straight through the two transforms: ``ops.as_gathered``
-    gives the unsharded parameter the all-gather's backward ([Note: unsharded parameters
-    gathered outside all_gather_into] in compile_shard.ops), so it is reduced like any
-    other in one reduce-scatter per group. Traced, Dynamo inlines both methods on the
-    subclass input, and the graph holds their ops beside the gathers.
-    compile_shard calls ``fsdp_post_all_gather`` without ``out=`` at every gather and
-    copies the result into the freed unsharded storage on a refill. Where the result is
-    a tensor subclass (torchao's float8 weights), eager mode frees and refills its inner
-    tensors (``_group._storage_leaves``) and gives it the all-gather's backward as views
-    (``ops.as_gathered_views``); a compiled graph refuses it: Dynamo traces the
-    gradient of such a view as the subclass, which the reduction cannot take.
+    Its invariants are the notes above the class.
     """
 
     def __init__(
@@ -422,21 +391,9 @@ class FSDPParam:
             usage.module.register_load_state_dict_pre_hook(_resharding)
 
     def init_extensions(self) -> None:
-        """Reads the all-gather extension off the local tensor: at ``fully_shard``, and again at the first forward.
-
-        FSDP2's lazy init reads it again too ("allow monkey patch after init"): methods
-        set on the local tensor object after ``fully_shard`` or ``to_empty`` count. Read
-        here, not in a trace: Dynamo does not trace ``inspect.signature``. A class's
-        methods are kept as functions, which Dynamo inlines where it would record a
-        method call on the tensor as one opaque node; methods set on the object are
-        called bound, as FSDP2 calls them. FSDP2 accepts the older form,
-        ``fsdp_pre_all_gather(mesh)``, too.
-        """
-        local_tensor = self.local_tensor
-        self.has_extension = _has_all_gather_extension(local_tensor, self.fqn)
-        self.pre_all_gather = self.post_all_gather = None
-        self.pre_all_gather_takes_mesh_only = False
-        if not self.has_extension:
+        """Reads the all-gather extension off the local tensor: at ``fully_shard``, and again at the first forward."""
+        self.extension = AllGatherExtension.of(self.local_tensor, self.fqn)
+        if self.extension is None:
             return
         if self.offload_to_cpu:
             raise NotImplementedError(
@@ -449,18 +406,11 @@ class FSDPParam:
                 + ("a DTensor" if self.tp_spec is not None else f"sharded on dim {self.shard_dim}")
                 + "; compile_shard supports extensions on plain parameters sharded on dim 0"
             )
-        own = getattr(local_tensor, "__dict__", {})
-        for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
-            method = own.get(name)
-            if method is None:
-                function = getattr(type(local_tensor), name)
-            else:  # set on the object: called bound, without the shard a class's function takes first
 
-                def function(shard: torch.Tensor, *args: Any, _method: Any = method, **kwargs: Any) -> Any:
-                    return _method(*args, **kwargs)
-
-            setattr(self, name.removeprefix("fsdp_"), function)
-        self.pre_all_gather_takes_mesh_only = len(inspect.signature(local_tensor.fsdp_pre_all_gather).parameters) == 1
+    @property
+    def has_extension(self) -> bool:
+        """Whether the local tensor has FSDP2's all-gather extension ([Note: all-gather extensions] in ``_extension``)."""
+        return self.extension is not None
 
     @property
     def unsharded_param(self) -> torch.Tensor | None:
@@ -572,19 +522,14 @@ class FSDPParam:
         return shard if self.compute_device is None else shard.to(self.compute_device, non_blocking=True)
 
     def extension_inputs(self, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> tuple[list[torch.Tensor], Any]:
-        """The all-gather inputs and metadata ``fsdp_pre_all_gather`` makes of the shard.
+        """The all-gather inputs and metadata the extension makes of the shard.
 
-        ``mesh``: the shard mesh (the shard dim's on HSDP), as FSDP2 passes it
-        ([Note: all-gather extensions]).
+        ``mesh``: the shard mesh (the shard dim's on HSDP), as FSDP2 passes it.
         """
-        shard = self.shard.detach()
-        if self.pre_all_gather_takes_mesh_only:
-            inputs, metadata = self.pre_all_gather(shard, mesh)
-        else:
-            module = self.usages[0].module
-            inputs, metadata = self.pre_all_gather(
-                shard, mesh, self.unsharded_shape, self.contiguous_stride, module, mp_policy
-            )
+        module = self.usages[0].module
+        inputs, metadata = self.extension.inputs(
+            self.shard.detach(), mesh, self.unsharded_shape, self.contiguous_stride, module, mp_policy
+        )
         padded_size = torch.Size((self.padded_rows, *self.unsharded_shape[1:]))
         # FSDP2 checks this on the ranks that hold padding only, and the others then wait in
         # the all-gather; every rank checks it here.
@@ -595,14 +540,13 @@ class FSDPParam:
                 f"{self.world_size} ranks), so its fsdp_pre_all_gather must return all-gather inputs of the padded "
                 f"shard size {tuple(padded_size)}, as FSDP2 requires; got {[tuple(t.size()) for t in inputs]}"
             )
-        return list(inputs), metadata
+        return inputs, metadata
 
     def unsharded_from_extension(
         self, all_gather_outputs: list[torch.Tensor], metadata: Any, param_dtype: torch.dtype
     ) -> torch.Tensor:
         """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
-        shard = self.shard.detach()
-        unsharded, _ = self.post_all_gather(shard, tuple(all_gather_outputs), metadata, param_dtype)
+        unsharded = self.extension.unsharded(self.shard.detach(), all_gather_outputs, metadata, param_dtype)
         return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
 
     def watch_use(self, unsharded_param: torch.Tensor) -> None:

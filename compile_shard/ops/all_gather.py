@@ -447,7 +447,7 @@ register_kernels("all_gather_with_comm", _all_gather_with_comm_kernel, _all_gath
 #   after backward, and the next forward computes with them instead of all-gathering.
 #   Their autograd node belongs to the forward that gathered them, whose backward has
 #   run, with that forward's reduction options.
-# - An all-gather extension ([Note: all-gather extensions] in compile_shard._param)
+# - An all-gather extension ([Note: all-gather extensions] in compile_shard._extension)
 #   gathers what ``fsdp_pre_all_gather`` made of the shard, not the shard, and its
 #   ``fsdp_post_all_gather`` builds the unsharded parameter: FSDP2 gives that tensor's
 #   gradient to the sharded parameter, straight through the two transforms.
