@@ -13,7 +13,7 @@ from torch.distributed.fsdp import (
 from . import ops  # registers the fsdp op library (torch.ops.fsdp)
 from ._api import FSDPModule, fully_shard
 from ._cache_artifacts import load_cache_artifacts, save_cache_artifacts
-from ._region import RegionInlinedWarning
+from ._regions import RegionInlinedWarning
 from ._stand_in import as_torch_fully_shard
 from ._versions import warn_if_untested
 from .ops import RankMismatchError

@@ -18,7 +18,7 @@ so it holds only builtin values), written by ``write_group_annotation`` or
 call of the region body its later blocks call ([Note: the first block calls its
 region after Dynamo]). Nothing in Dynamo's graph tells which nodes were that block,
 what it took for each region argument, or which of a body's call operands is which
-argument, so ``_region`` notes them while Dynamo traces: ``InlinedFirstBlock`` per
+argument, so ``_regions._first_block`` notes them while Dynamo traces: ``InlinedFirstBlock`` per
 inlined first block (``note_inlined_first_block``), and per region body its key and,
 per argument leaf, the caller's node the call it was traced for passed
 (``note_region_body``; the body lifts what it reads as placeholders of its own, in

@@ -16,11 +16,10 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, UnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
-from ._attribute_writes import CountsWrites
 from ._classes import subclass, user_class, user_class_name
 from ._group import FSDPParamGroup, in_backward
 from ._param import FSDPParam, ParamUsage
-from ._region import call_copied_out, call_in_region, compiling_gathered
+from ._regions import CountsWrites, call_copied_out, call_in_region, compiling_gathered
 from ._module_settings import FSDPModuleSettings
 from ._init import (
     as_module_list,
@@ -49,7 +48,7 @@ __all__ = ["FSDPModule", "fully_shard"]
 
 #: The entry under "fully_shard" in torch's composable-API registry, which ``replicate()`` and FSDP2
 #: read to leave a sharded subtree alone. One object for every call: a block's region signature
-#: compares the objects its modules hold (``_region.block_signature``).
+#: compares the objects its modules hold (``_regions.block_signature``).
 _REGISTRY_ITEM = RegistryItem()
 #: Where ``fully_shard`` keeps an ``OptimizedModule``'s ``forward`` ([Note: a block compiled on its own]).
 _COMPILED_FORWARD_ATTR = "_compile_shard_compiled_forward"

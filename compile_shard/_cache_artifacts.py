@@ -13,7 +13,7 @@ bytes, and ``load_cache_artifacts`` unpacks them in another process, where the n
 
 The guards read the modules, and fully_shard gives modules classes made at run time
 (``FSDP<Name>`` in ``_api``, the managed-attribute classes in ``_param``, the
-write-counting classes in ``_attribute_writes``). Pickle finds a class by its module
+write-counting classes in ``_regions._attribute_writes``). Pickle finds a class by its module
 and name, which these do not resolve to, and torch's guard pickler takes any subclass
 of torch's ``FSDPModule`` for one of FSDP2's own classes; ours are not (Dynamo then
 skips the cache: "Expected nn.Module subclass"). So ``teach_guard_pickler`` reduces
@@ -42,10 +42,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import get_hash_for_files
 
-from . import _api, _attribute_writes, _param
+from . import _api, _param
+from ._compile_counts import autograd_cache_misses
+from ._regions import _attribute_writes
 from ._versions import CACHES_DYNAMO_OUTPUT
 
 __all__ = ["load_cache_artifacts", "save_cache_artifacts"]
@@ -151,7 +152,7 @@ _compiles_at_load = 0
 
 def _compiles() -> int:
     """How many graphs AOTAutograd compiled in this process, not finding them in its cache (the file's)."""
-    return counters["aot_autograd"]["autograd_cache_miss"]
+    return autograd_cache_misses()
 
 
 def _turn_on_dynamo_caching() -> None:

@@ -7,7 +7,7 @@
   name ([Note: parameters are read through properties] in ``_param``);
 - where the module belongs to a block traced as a compile region, a class that counts
   the writes Dynamo does not guard ([Note: a block's attribute writes are counted] in
-  ``_attribute_writes``);
+  ``_regions._attribute_writes``);
 - where ``fully_shard`` was applied to it, ``FSDP<Class>``, a subclass of ``FSDPModule``
   (``_api``).
 

@@ -23,7 +23,8 @@ import gc
 import os
 
 import torch
-from torch._dynamo.callback import callback_handler, on_compile_end, on_compile_start
+
+from ._compile_events import call_around_each_compile
 
 _ENVIRONMENT_VARIABLE = "TORCH_DYNAMO_GC_GEN2_THRESHOLD_DURING_COMPILE"
 _DEFAULT_THRESHOLD = 1000
@@ -63,9 +64,6 @@ def defer_full_collections_while_compiling() -> bool:
     """
     if hasattr(torch._dynamo.config, "gc_gen2_threshold_during_compile"):
         return True
-    if _raise_threshold not in callback_handler.start_callbacks:
-        # Dynamo runs them when the outermost compile starts and when it ends; this one has started.
-        on_compile_start(_raise_threshold)
-        on_compile_end(_restore_threshold)
-        _raise_threshold(None)
+    if call_around_each_compile(_raise_threshold, _restore_threshold):
+        _raise_threshold(None)  # Dynamo runs them when the outermost compile starts and ends; this one has started
     return True

@@ -34,7 +34,7 @@ from ._group_settings import (
     wire_dtype,
 )
 from ._param import FSDPParam, share_slots
-from ._region import register_slot_lists
+from ._regions import register_owned_state
 from ._versions import ROUNDS_EACH_GRADIENT_CONTRIBUTION
 
 
@@ -57,11 +57,11 @@ class ConfiguredGroup:
         for fsdp_param in fsdp_params:
             fsdp_param.group_ref = weakref.ref(self)
         # What the modules read, and the eager use flags, per parameter ([Note: one mutated list per group]).
-        # After the parameters' slots, ``shown_params`` holds a traced forward's all-gather outputs where the
-        # block's region copies out ([Note: a region copies out its block's parameters] in compile_shard._region).
         self.shown_params, self.use_flags = share_slots(fsdp_params)
-        self.shown_params.append(None)
-        register_slot_lists(self, (self.shown_params, self.use_flags))
+        # A traced forward's all-gather outputs, gathered for the block's region to copy out ([Note: a region
+        # copies out its block's parameters] in compile_shard._regions._call); None outside that window.
+        self.traced_all_gather_outputs: list[torch.Tensor] | None = None
+        register_owned_state(self, (self, self.shown_params, self.use_flags))
         self.mesh = mesh
         # The shard dimension's group gathers and reduce-scatters; on HSDP's 2-D mesh each
         # reduce-scatter is followed by an all-reduce over the replicate dimension's group.
@@ -190,7 +190,7 @@ class ConfiguredGroup:
         self.__dict__.update(state)
         for fsdp_param in self.fsdp_params:
             fsdp_param.group_ref = weakref.ref(self)
-        register_slot_lists(self, (self.shown_params, self.use_flags))
+        register_owned_state(self, (self, self.shown_params, self.use_flags))
         bound, self._bound = self._bound, {}
         for field, (_, obj) in bound.items():
             self._bind(field, obj)
@@ -260,7 +260,7 @@ class ConfiguredGroup:
                 "parameters with an all-gather extension (fsdp_pre_all_gather), as in FSDP2; pass True or False"
             )
         # Whether the unshard is one all-gather per part and a plain copy-out, which a block's region
-        # can take over ([Note: a region copies out its block's parameters] in compile_shard._region).
+        # can take over ([Note: a region copies out its block's parameters] in compile_shard._regions._call).
         self.has_plain_copy_out = self._gathers_plainly and not self.has_extensions
         # Whether a trace leaves it to the region: not on gloo, whose exchange in place needs
         # the copy-out in the outer graph ([Note: gloo exchange in place] in compile_shard.ops.transport).

@@ -264,16 +264,17 @@ class GatheringGroup(ConfiguredGroup):
             self.use_flags[slot] = None
         return True
 
-    def owns_slot_list(self, object_id: int) -> bool:
-        return object_id in (id(self.shown_params), id(self.use_flags))
+    def owns(self, object_id: int) -> bool:
+        """Whether ``object_id`` is this group or one of its lists of slots (``register_owned_state``)."""
+        return object_id in (id(self), id(self.shown_params), id(self.use_flags))
 
     def gather_traced(self) -> bool:
         """Inside a trace: all-gathers the group unless already done, and leaves the copy-out to its block."""
-        if self.shown_params[0] is not None or self.shown_params[-1] is not None:
+        if self.shown_params[0] is not None or self.traced_all_gather_outputs is not None:
             return False
         settings = traced_settings(self, self.settings_version)
         with annotating_group(settings.annotation):
-            self.shown_params[-1] = self._all_gather_outputs(settings.gather)
+            self.traced_all_gather_outputs = self._all_gather_outputs(settings.gather)
         for slot in range(len(self.fsdp_params)):
             self.use_flags[slot] = None  # see show_traced_unsharded_params
         return True
@@ -298,6 +299,7 @@ class GatheringGroup(ConfiguredGroup):
 
     def hide_traced_unsharded_params(self) -> None:
         self.shown_params[:] = [None] * len(self.shown_params)
+        self.traced_all_gather_outputs = None
 
     def _watch_use(self, tensors: list[torch.Tensor]) -> None:
         """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in

@@ -14,11 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map
 
-from ._attribute_writes import count_writes
 from ._classes import user_class_name
 from ._group import FSDPParamGroup, tensors_in
 from ._param import shared_between_groups, sharding_of
-from ._region import accepts_region_call, enters_gathered_as_views, runs_outside_regions
+from ._regions import accepts_region_call, count_writes, enters_gathered_as_views, runs_outside_regions
 from ._gc_during_compile import defer_full_collections_while_compiling
 from .passes.settings import settings
 
@@ -60,14 +59,14 @@ class FSDPState:
         self.region_modules: list[nn.Module] = []
         self.is_block = False  # whether ``region_modules`` lists any: a plain read, where the list is one per module
         # The writes to the block's modules that Dynamo does not guard ([Note: a block's attribute writes are
-        # counted] in ``_attribute_writes``).
+        # counted] in ``_regions._attribute_writes``).
         self.region_writes = 0
 
     def region_changed(self) -> None:
         """Lists the modules of a block traced as a compile region, and counts their writes.
 
         Again after a submodule was added, replaced or deleted ([Note: a block's attribute
-        writes are counted] in ``_attribute_writes``).
+        writes are counted] in ``_regions._attribute_writes``).
         """
         self.region_modules = list(self.module.modules())
         self.is_block = True
@@ -156,7 +155,7 @@ class FSDPState:
             and torch.compiler.is_compiling()
             and not self.is_root
             and self.is_block
-            and (self.group.shown_params[0] is not None or self.group.shown_params[-1] is not None)
+            and (self.group.shown_params[0] is not None or self.group.traced_all_gather_outputs is not None)
             # Over one rank nothing is gathered, and the unsharded parameters are views of
             # one tensor: a region refuses arguments that alias each other.
             and self.group.world_size > 1
@@ -167,7 +166,7 @@ class FSDPState:
 
     def _gathers_for_region(self) -> bool:
         """Whether the root's traced unshard leaves this block's copy-out to its block ([Note: a region copies
-        out its block's parameters] in ``_region``).
+        out its block's parameters] in ``_regions._call``).
 
         Not with ``bucket_cap_mb``: ``passes.bucket`` merges groups by their copy-outs in the graph.
         """

@@ -77,8 +77,3 @@ class CompletedGradientReduction(GradientReductionHandle):
 #: already exists in scope"), so their file holds AOTAutograd's and Inductor's output
 #: only ([Note: a restarted job loads its compiled step] in compile_shard._cache_artifacts).
 CACHES_DYNAMO_OUTPUT = TORCH_VERSION >= (2, 15)
-
-#: Dynamo answers ``__class__`` of a symbolic size or number with ``int`` or ``float``
-#: from 2.14 (2.13: ``SymInt``, ``SymFloat``), so a region's key asks the trace itself
-#: there (``comptime``) which sizes and numbers are symbolic.
-SYMBOLIC_NUMBERS_LOOK_PLAIN = TORCH_VERSION >= (2, 14)

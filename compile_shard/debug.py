@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ._compile_counts import recompiles
 from ._state import get_state
 from ._collectives import collective
 from .passes.dump import dump_graphs, format_graph
@@ -69,15 +70,6 @@ def _count_inside_a_region(mode: CollectiveCounter, subgraph, identifier, *opera
 def _nbytes(value: object) -> int:
     """Bytes of the tensors in ``value`` (a tensor, or a list of them)."""
     return sum(leaf.nbytes for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor))
-
-
-def recompiles() -> int:
-    """Dynamo recompilations since ``torch._dynamo.utils.clear_compilation_metrics()``.
-
-    torch 2.13 no longer counts them in ``torch._dynamo.utils.counters["recompiles"]``;
-    its compilation metrics still record each recompilation's reason.
-    """
-    return sum(1 for metrics in torch._dynamo.utils.get_compilation_metrics() if metrics.recompile_reason)
 
 
 def unsharded_bytes(module: torch.nn.Module) -> int:

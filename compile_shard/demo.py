@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.multiprocessing.spawn import ProcessException
-from torch._dynamo.utils import counters
 
 from . import fully_shard, passes
+from ._compile_counts import graph_breaks, unique_graphs
 from .debug import CollectiveCounter, recompiles
 from .models import Llama, LlamaConfig
 
@@ -135,8 +135,8 @@ def _train(args: argparse.Namespace) -> None:
         compiled_model = _build(config)
         compiled = _run_sharded(torch.compile(compiled_model, backend=args.backend), batches, args, False)
         compile_summary = (
-            f"compiled ({args.backend}): {counters['stats']['unique_graphs']} graph(s), "
-            f"{sum(counters['graph_break'].values())} graph break(s), {recompiles()} recompile(s); "
+            f"compiled ({args.backend}): {unique_graphs()} graph(s), "
+            f"{graph_breaks()} graph break(s), {recompiles()} recompile(s); "
             "step 1 includes compilation"
         )
         if rank == 0:  # after training and counting: the dry run compiles again, leaving garbage gradients

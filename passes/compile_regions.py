@@ -15,7 +15,7 @@ reads the argument. Where it is a view of an unsharded parameter argument (a cha
 single-input view and copy ops, ``patterns.copy_out_chain``, from the argument), it
 reads a copy of that chain, made in the outer graph from the argument. A region that
 copies out its block's parameters ([Note: a region copies out its block's parameters]
-in compile_shard._region) takes the all-gather output and returns it, or views of
+in compile_shard._regions._call) takes the all-gather output and returns it, or views of
 the parameters it copied out, the chain starting at that argument. Either way the
 backward region reads the outer graph's copy-out chain, which ``reshard`` tags for
 recompute, so backward gathers again. The region still returns the view, which nothing

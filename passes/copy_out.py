@@ -8,7 +8,7 @@ first, so a group's copy-out is spread over as many kernels as it has parameters
 (measured in the CPU code of the test Llama), each a variant Inductor generates and
 compiles. This pass makes the copies one ``fsdp.copy_out`` (FSDP2's
 ``split_with_sizes_copy``; the op a region copies out with, [Note: a region copies
-out its block's parameters] in ``compile_shard._region``), which Inductor calls as a
+out its block's parameters] in ``compile_shard._regions._call``), which Inductor calls as a
 fixed kernel and fuses with nothing, and every parameter a view of one of its outputs.
 New nodes inherit the clones' metadata, so the partitioner recomputes or saves them
 with the rest of the chain.

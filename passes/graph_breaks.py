@@ -17,9 +17,9 @@ from __future__ import annotations
 import warnings
 
 import torch.fx as fx
-from torch._dynamo.utils import counters
 
 from compile_shard._annotation import group_annotation
+from compile_shard._compile_counts import graph_break_reasons
 
 from .patterns import all_gather_outputs, copy_out_chain
 
@@ -70,7 +70,7 @@ def warn_if_partial(graph: fx.Graph) -> bool:
                 "run eagerly, outside the graphs; compiled graphs prefetch by themselves, so call unshard() in "
                 "eager mode only)"
             )
-        reasons = "; ".join(reason.split("\n")[0] for reason in counters["graph_break"]) or "see TORCH_LOGS=graph_breaks"
+        reasons = "; ".join(graph_break_reasons()) or "see TORCH_LOGS=graph_breaks"
         warnings.warn(
             f"compile_shard: torch.compile split the sharded model across graphs: {'; '.join(details)}. "
             f"Unsharded parameters stay alive across the break and communication cannot overlap with "

@@ -2,7 +2,7 @@
 
 [Note: the first block calls its region after Dynamo]
 Dynamo traces the first block of each reuse key inlined ([Note: the first block of
-each key runs inlined] in ``compile_shard._region``): what it reads, writes and
+each key runs inlined] in ``compile_shard._regions._first_block``): what it reads, writes and
 returns decides whether the later blocks may share one region body, and a graph break
 in it splits the graph where it would without regions. Past Dynamo that block is only
 a copy of the body's computation that Inductor lowers, fuses and compiles apart from

@@ -12,7 +12,7 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
 
 - eager: each unsharded parameter records, with a tensor hook, whether backward
   reached it; the sharded gradient of one that was not reached is dropped
-  (``FSDPParam._accumulate_sharded_grad``). That gradient is zero unless another rank
+  (``FSDPParam.reduced_gradient_if_used``). That gradient is zero unless another rank
   used the parameter, which FSDP2 cannot reduce either: it raises there, naming the
   parameter and ``set_reduce_scatter_unused_params(True)``.
 - compiled: autograd fills an unused parameter's part of the reduction input with a
@@ -83,7 +83,7 @@ def _region_output(node: fx.Node) -> fx.Node:
     """What a region's backward computes ``node`` as, where ``node`` is one of its outputs; else ``node``.
 
     A block whose region copies out its parameters ([Note: a region copies out its
-    block's parameters] in compile_shard._region) returns the gradient of its
+    block's parameters] in compile_shard._regions._call) returns the gradient of its
     all-gather output, laid out by the copy-out's backward inside the region.
     """
     call = node.args[0] if node.target is operator.getitem else None

@@ -9,7 +9,7 @@ import pytest
 import torch._dynamo
 from torch._dynamo.utils import clear_compilation_metrics, counters
 
-from compile_shard import _region
+from compile_shard._regions import registry
 
 
 @pytest.fixture
@@ -20,8 +20,7 @@ def fresh_dynamo():
     blocks run inlined), which holds per block signature: a test's body traces are its own.
     """
     torch._dynamo.reset()
-    _region._READ_NAMES.clear()
-    _region._INLINED_SIGNATURES.clear()
+    registry.reset()
     counters.clear()
     clear_compilation_metrics()
     yield

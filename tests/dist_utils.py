@@ -135,7 +135,7 @@ def copy_out_in_regions(model: torch.nn.Module) -> torch.nn.Module:
 
     On gloo the runtime keeps the copy-out in the outer graph for the exchange in place
     ([Note: gloo exchange in place] in compile_shard.ops.transport); elsewhere a region
-    copies out ([Note: a region copies out its block's parameters] in compile_shard._region).
+    copies out ([Note: a region copies out its block's parameters] in compile_shard._regions._call).
     This runs the second path on gloo, the only real process group these tests have.
     """
     for module in model.modules():

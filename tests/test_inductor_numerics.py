@@ -200,7 +200,7 @@ def _worker(rank, world_size, model_name, policy_name, region_copy_out=False):
 # itself has non-finite gradients from the first step. The quick tier runs each model
 # with the recipe most trainings use (bf16 compute, fp32 reduction); the slow tier the rest.
 # ``region_copy_out``: the Llama's blocks copy out in their regions, as off gloo ([Note: a region copies out
-# its block's parameters] in compile_shard._region; ``copy_out_in_regions``).
+# its block's parameters] in compile_shard._regions._call; ``copy_out_in_regions``).
 @pytest.mark.parametrize(
     "model_name, policy_name, region_copy_out",
     [

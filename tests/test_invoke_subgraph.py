@@ -14,7 +14,7 @@ from torch._dynamo.source import LocalSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from compile_shard import _invoke_subgraph
+from compile_shard._regions import _invoke_subgraph
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),

@@ -778,7 +778,7 @@ _KEY = 7
 
 def _dynamo_like_graph(*, read_outside=False, in_place=False, later_blocks=2, bias="shared", returns_input=False):
     """Dynamo's graph of a model of blocks, as ``compile_shard`` traces it: block 0 inlined (``relu(x @ w0 + b)``),
-    the later ones calling the region body traced for block 1, with what ``_region`` records while tracing.
+    the later ones calling the region body traced for block 1, with what ``compile_shard._regions`` records while tracing.
 
     ``bias``: what the body lifted itself, "shared" by every call or one "per_block"; None for none.
     """

@@ -15,8 +15,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
-from compile_shard._attribute_writes import _OWNERS_ATTR
-from compile_shard._region import accepts_region_call, block_signature
+from compile_shard._regions._attribute_writes import _OWNERS_ATTR
+from compile_shard._regions import _dynamo, accepts_region_call, block_signature
+from compile_shard._regions._registry import RegionRegistry
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
 from compile_shard.models import Llama, LlamaConfig, TransformerBlock
@@ -138,6 +139,27 @@ def test_a_traced_forward_mutates_two_lists_per_group_and_no_parameter(monkeypat
     groups = N_LAYERS + 1
     assert "FSDPParam" not in mutated
     assert 0 < mutated.count("list") <= 2 * groups, mutated
+
+
+def test_the_registry_hides_what_an_earlier_attempt_of_the_same_compile_learned(monkeypatch):
+    """[Note: a restarted trace learns again]: an attempt replays the one before it, so it must not see
+    what that one learned; another compile does, and ``reset()`` forgets everything."""
+    attempt = [("compile 1", 0)]
+    monkeypatch.setattr(_dynamo, "current_attempt", lambda: attempt[0])
+    registry = RegionRegistry()
+    registry.inline(7)
+    registry.add_read_names(7, {"eps"})
+    assert registry.runs_inlined(7) and registry.read_names(7) == {"eps"}
+    attempt[0] = ("compile 1", 1)  # Dynamo restarted the trace
+    assert not registry.runs_inlined(7) and registry.read_names(7) == frozenset()
+    registry.add_read_names(7, {"scale"})  # a write drops what the failed attempt learned
+    attempt[0] = ("compile 2", 0)
+    assert not registry.runs_inlined(7) and registry.read_names(7) == {"scale"}
+    registry.inline(7)
+    attempt[0] = ("compile 3", 0)
+    assert registry.runs_inlined(7)
+    registry.reset()
+    assert not registry.runs_inlined(7) and registry.read_names(7) == frozenset()
 
 
 def _assert_reshards(model, forward, backward):

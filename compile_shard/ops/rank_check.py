@@ -50,6 +50,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from .._compile_events import call_around_each_compile
 from .library import _lib
 
 _lib.define("rank_check(str record) -> ()")
@@ -256,10 +257,7 @@ def _count_compile(delta: int) -> None:
 
 def count_compiles() -> None:
     """Counts this rank's compiles in the rendezvous store, so a peer's check waits for them (registers once per process)."""
-    handler = torch._dynamo.callback_handler
-    if _compile_started not in handler.start_callbacks:
-        handler.register_start_callback(_compile_started)
-        handler.register_end_callback(_compile_ended)
+    call_around_each_compile(_compile_started, _compile_ended)
 
 
 def _compile_started(*args) -> None:

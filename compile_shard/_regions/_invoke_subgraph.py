@@ -3,7 +3,7 @@
 Each addition acts only where torch would raise or repeat work, and returns what torch
 computes: a kernel for the Conjugate dispatch key, which torch lacks, and a memo of the
 schema torch re-derives at every call site of a region. ``install`` is called once, by
-``_region`` on a torch whose regions compile_shard uses.
+``_regions._call`` on a torch whose regions compile_shard uses.
 
 [Note: conjugate views across a region's boundary]
 Autograd's formula for a product of complex tensors saves the other factor's
@@ -29,7 +29,7 @@ among them, and grad mode), so ``_memoized_gen_schema`` keeps it per body module
 differs: another body, a body whose code a pass rewrote (``recompile`` gives it new
 code), other shapes, autocast entered. A symbolic size (the sequence length after it
 changed, a symbol the call passes) is keyed by its expression, as a region's reuse
-key is ([Note: symbolic sizes in a reuse key] in ``_region``). Operands it cannot key
+key is ([Note: symbolic sizes in a reuse key] in ``_regions._key``). Operands it cannot key
 exactly (an object, a sparse tensor) are derived every time, as by torch.
 A schema that marks a write is kept like any other, so torch refuses the training at
 every call as before.

@@ -5,7 +5,7 @@ A block that reuses another block's compiled region runs a body Dynamo traced, a
 guarded, on the first block's modules: nothing guards what the later blocks hold. So
 ``call_in_region`` reads the plain attributes of each block's modules that the body
 reads in the outer trace, a guard on each value ([Note: region keys are guarded] in
-``_region``), and the region key holds the rest of the block's signature by identity
+``_regions._key``), and the region key holds the rest of the block's signature by identity
 when the trace runs.
 Two kinds of write escape both: an attribute added to (or deleted from) a later block
 after the first compile, and an object attribute replaced by another object. Each module of
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-from ._classes import subclass
+from .._classes import subclass
 
 #: The owners (``RegionOwner``) of the blocks a module belongs to, set on the module.
 _OWNERS_ATTR = "_compile_shard_region_owners"
