@@ -240,6 +240,15 @@ def _all_gather_into_setup_context(ctx, inputs, output):
     )
 
 
+def _plus_once(ctx: Any, done: str, grad: torch.Tensor, addend: torch.Tensor | None) -> torch.Tensor:
+    """``grad + addend`` in the first backward that runs for ``ctx``, ``grad`` in a later one (``done``, set
+    on ``ctx``, says which) and where there is no ``addend``."""
+    if addend is None or getattr(ctx, done, False):
+        return grad
+    setattr(ctx, done, True)
+    return grad + addend
+
+
 def _all_gather_into_backward(ctx, all_gather_output_grad):
     """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction.
 
@@ -297,9 +306,7 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         return no_gradients
     # A backward that runs again (a backward per chunk of a loss) reduces its own gradient only:
     # what earlier steps accumulated is reduced once, by the first.
-    if options.accumulated_grad is not None and not getattr(ctx, "reduced_accumulated_grad", False):
-        ctx.reduced_accumulated_grad = True
-        unsharded_grad = unsharded_grad + options.accumulated_grad
+    unsharded_grad = _plus_once(ctx, "reduced_accumulated_grad", unsharded_grad, options.accumulated_grad)
     if options.premul_factor != 1.0:
         unsharded_grad = unsharded_grad * options.premul_factor
     # FSDP2's set_separate_reduce_scatter_group: another process group over the same ranks.
@@ -312,9 +319,7 @@ def reduce_unsharded_grad(ctx, unsharded_grad: torch.Tensor) -> list[torch.Tenso
         if not options.all_reduce_grads:
             options.partial_reduce_output.add_(sharded_grad)
             return no_gradients
-        if options.partial_reduce_output is not None and not getattr(ctx, "reduced_partial_output", False):
-            ctx.reduced_partial_output = True
-            sharded_grad = sharded_grad + options.partial_reduce_output
+        sharded_grad = _plus_once(ctx, "reduced_partial_output", sharded_grad, options.partial_reduce_output)
         funcol = torch.ops._c10d_functional
         reduced = funcol.all_reduce(sharded_grad, options.reduce_op, options.replicate_group_name)
         sharded_grad = funcol.wait_tensor(reduced)
@@ -564,7 +569,7 @@ def _post_forward_chunk_meta(all_gather_output, size, rank):
 # copy_out ----------------------------------------------------------------------------
 # Each parameter's columns of a rank-major all-gather output, contiguous: its padded rows,
 # rank by rank (FSDP2's ``split_with_sizes_copy``). An op of its own where a region
-# copies out ([Note: a region copies out its block's parameters] in compile_shard._region):
+# copies out ([Note: a region copies out its block's parameters] in compile_shard._regions._call):
 # as a ``clone`` per parameter, Inductor fuses the copy into every kernel that reads the
 # parameter, a kernel variant per reader (docs/benchmarks.md, "The cold step").
 
