@@ -340,7 +340,7 @@ class ConfiguredGroup:
         self.buffers.to(dtypes.reduction_dtype)
 
     def gradients_wider_than_parameters(self) -> list[str]:
-        """The parameters whose gradients a compiled backward would round ([Note: grad_dtype] in ``_param``)."""
+        """The parameters whose gradients a compiled backward would round ([Note: grad_dtype] in ``_gradient_rules``)."""
         return [
             fsdp_param.fqn
             for fsdp_param in self.fsdp_params

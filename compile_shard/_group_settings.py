@@ -279,7 +279,7 @@ class GroupDtypes:
         reduce_dtype = reduce_dtype_of(fsdp_params, mp_policy, gradient_dtype)
         reduction_dtype = reduce_dtype or gradient_dtype
         parts = []
-        for part in all_gather_parts_of(fsdp_params, mp_policy):  # [Note: grad_dtype] in compile_shard._param
+        for part in all_gather_parts_of(fsdp_params, mp_policy):  # [Note: grad_dtype] in compile_shard._gradient_rules
             dtypes = [fsdp_params[index].sharded_grad_dtype(reduction_dtype) for index in part.indices]
             differs = any(dtype != fsdp_params[index].sharded_param.dtype for dtype, index in zip(dtypes, part.indices))
             names = ",".join(str(dtype).removeprefix("torch.") for dtype in dtypes) if differs else None

@@ -218,7 +218,7 @@ def shard_memory(label: str, mesh: DeviceMesh, offload_policy: OffloadPolicy) ->
     ``CPUOffloadPolicy`` keeps the sharded parameters in CPU memory, pinned with
     ``pin_memory=True`` (an error where no accelerator is available, as in FSDP2). On
     an accelerator's mesh the all-gathers then read copies of them on the mesh's
-    device ([Note: CPU offload] in ``_param``); on a CPU mesh they live there anyway,
+    device ([Note: CPU offload] in ``_shard_memory``); on a CPU mesh they live there anyway,
     and nothing moves, as in FSDP2.
     """
     if type(offload_policy) is OffloadPolicy:

@@ -18,7 +18,8 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   ([Note: the shard autograd sees]).
 - offloaded shard: with ``CPUOffloadPolicy`` on an accelerator's mesh, the padded
   shard, the sharded parameter and its gradient live in CPU memory; the all-gather
-  reads a copy of the shard on the mesh's device ([Note: CPU offload]).
+  reads a copy of the shard on the mesh's device ([Note: CPU offload] in
+  ``_shard_memory``).
 - all-gather input: one group's shards cast to the wire dtype, flattened, padded to
   ``padded_rows`` and concatenated (the copy-in), inside ``fsdp::all_gather_into`` or,
   after ``lower``, one ``fsdp::copy_in`` in the graph.
@@ -85,7 +86,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from . import ops
 from ._classes import subclass, user_class, user_class_name
 from ._extension import AllGatherExtension
+from ._gradient_rules import GradientRules, grad_dtype_policy_of
 from ._layout import padded_rows
+from ._shard_memory import ShardMemory
 from ._tensor_parallel import (
     shard_placements,
     spmd_layout,
@@ -191,7 +194,8 @@ def _sharded_dtensor(
     """A DTensor over ``local_tensor`` itself, also where that is in CPU memory on an accelerator's mesh.
 
     ``DTensor.from_local`` copies a local tensor to the mesh's device, which would undo
-    CPU offload ([Note: CPU offload]); FSDP2 builds such DTensors directly, as here.
+    CPU offload ([Note: CPU offload] in ``_shard_memory``); FSDP2 builds such DTensors
+    directly, as here.
     """
     if local_tensor.is_meta or local_tensor.device.type == mesh.device_type:
         return DTensor.from_local(local_tensor, mesh, placements, run_check=False, shape=shape, stride=stride)
@@ -301,10 +305,11 @@ def _adopting_loaded_params(module: nn.Module, incompatible_keys: Any) -> None:
 # whose local tensor is contiguous where this one is a transposed view.
 
 
-class FSDPParam:
+class FSDPParam(GradientRules, ShardMemory):
     """The sharded form of one original parameter: its padded storage, the shard, and what the modules read.
 
-    Its invariants are the notes above the class.
+    Its invariants are the notes above the class. The rules for its sharded gradient
+    (``_gradient_rules``) and where its shard lives (``_shard_memory``) are its bases'.
     """
 
     def __init__(
@@ -322,11 +327,8 @@ class FSDPParam:
         dims of the parameter's own (SPMD) mesh, the shard dim last. ``shard_dim``: the dim ``shard_placement_fn``
         chose ([Note: sharding on another dim]). ``pin_memory``: the padded shard is in pinned memory
         (``CPUOffloadPolicy``). ``compute_device``: the mesh's device where the shard is kept in CPU memory
-        instead ([Note: CPU offload]), else None."""
-        # torch 2.15's Tensor.grad_dtype: (explicit?, dtype or None), FSDP2's sharded_grad_dtype policy.
-        self.grad_dtype_policy: tuple[bool, torch.dtype | None] = (
-            (True, param.grad_dtype) if getattr(param, "_has_grad_dtype_override", False) else (False, None)
-        )
+        instead ([Note: CPU offload] in ``_shard_memory``), else None."""
+        self.grad_dtype_policy = grad_dtype_policy_of(param)
         if param.dim() == 0:
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
@@ -421,18 +423,6 @@ class FSDPParam:
     def unsharded_param(self, value: torch.Tensor | None) -> None:
         self._shown[self._slot] = value
 
-    @property
-    def used_since_reduction(self) -> bool | None:
-        """Eager only: whether backward reached the unsharded parameter since the last sharded gradient.
-
-        ``None`` where nothing watches ([Note: unused parameters] in passes.unused_params).
-        """
-        return self._used[self._slot]
-
-    @used_since_reduction.setter
-    def used_since_reduction(self, value: bool | None) -> None:
-        self._used[self._slot] = value
-
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` with the shard dim first, or back: a transposed view ([Note: sharding on another dim])."""
         return tensor if self.shard_dim == 0 else tensor.transpose(0, self.shard_dim)
@@ -444,11 +434,6 @@ class FSDPParam:
     @property
     def local_tensor(self) -> torch.Tensor:
         return self.sharded_param._local_tensor
-
-    @property
-    def offload_to_cpu(self) -> bool:
-        """Whether the shard is kept in CPU memory while the mesh computes on an accelerator ([Note: CPU offload])."""
-        return self.compute_device is not None
 
     def _new_shard(self) -> torch.Tensor:
         """See [Note: the shard autograd sees]."""
@@ -464,62 +449,6 @@ class FSDPParam:
 
         shard.register_post_accumulate_grad_hook(accumulate_sharded_grad)
         return shard
-
-    def capture_grad_dtype_policy(self) -> None:
-        """An explicit grad_dtype set on the sharded parameter since (FSDP2's _capture_grad_dtype_policy)."""
-        if getattr(self.sharded_param, "_has_grad_dtype_override", False):
-            self.grad_dtype_policy = (True, self.sharded_param.grad_dtype)
-
-    def apply_grad_dtype_policy(self) -> None:
-        """The sharded parameter and the shard (the leaf the reduction's gradient reaches) take an explicit grad_dtype."""
-        explicit, dtype = self.grad_dtype_policy
-        if explicit:
-            self.sharded_param.grad_dtype = dtype
-            self.shard.grad_dtype = dtype
-
-    def sharded_grad_dtype(self, reduction_dtype: torch.dtype) -> torch.dtype:
-        """The sharded gradient's dtype: an explicit grad_dtype (None: the reduction's), else the parameter's.
-
-        [Note: grad_dtype]
-        torch 2.15's ``Tensor.grad_dtype`` on a parameter asks for gradients of another
-        dtype than its own (bf16 weights with fp32 gradients for a mixed-precision
-        optimizer), and FSDP2 2.15 honours it: the reduction runs in ``reduce_dtype``,
-        else in the promotion of the parameters' gradient dtypes, and each sharded
-        gradient is cast to its parameter's ``grad_dtype`` (left in the reduction's dtype
-        where it is None). Here the all-gather's backward casts to those dtypes
-        (``AllGatherPart.grad_dtypes``), and the shard, the leaf the gradient reaches, and
-        the sharded parameter carry the ``grad_dtype``, kept across ``_apply``. A compiled
-        backward returns each input's gradient in the input's own dtype, so a
-        ``grad_dtype`` wider than its parameter's would arrive rounded: compiling such a
-        model raises instead (docs/api.md).
-        """
-        explicit, dtype = self.grad_dtype_policy
-        if not explicit:
-            return self.sharded_param.dtype
-        return reduction_dtype if dtype is None else dtype
-
-    def all_gather_shard(self, requires_grad: bool) -> torch.Tensor:
-        """What the all-gather reads: ``shard``, detached for a parameter that takes no gradient, on the mesh's device.
-
-        ``requires_grad``: the sharded parameter's, as the caller read it ([Note: settings
-        a trace reads as constants] in compile_shard._group_gather).
-
-        [Note: CPU offload]
-        FSDP2's ``CPUOffloadPolicy`` on an accelerator's mesh: the padded shard, and with
-        it the sharded parameter, its gradient and the optimizer's state, live in CPU
-        memory (pinned with ``pin_memory=True``). The all-gather reads a copy of the
-        shard on the mesh's device, made here at every gather (a non-blocking copy from
-        pinned memory), and the gradient comes back to CPU memory through that copy's
-        backward, so ``shard``'s hook receives it on the CPU like any other. In a trace
-        the copy is one of the shard views feeding the all-gather
-        (``passes.patterns.all_gather_chain``): the passes move it with the gather, and a
-        resharded group's backward copies the shard again, as FSDP2's does, instead of
-        keeping it on the device. FSDP2 copies the sharded gradient into pinned memory
-        without blocking and waits for it at the end of backward; autograd's copy
-        blocks at each: the same values, later.
-        """
-        shard = self.shard if requires_grad else self.shard.detach()
-        return shard if self.compute_device is None else shard.to(self.compute_device, non_blocking=True)
 
     def extension_inputs(self, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> tuple[list[torch.Tensor], Any]:
         """The all-gather inputs and metadata the extension makes of the shard.
@@ -548,37 +477,6 @@ class FSDPParam:
         """The unsharded parameter ``fsdp_post_all_gather`` makes of the gathered inputs, in the parameter's shape."""
         unsharded = self.extension.unsharded(self.shard.detach(), all_gather_outputs, metadata, param_dtype)
         return torch.as_strided(unsharded, self.unsharded_shape, self.contiguous_stride, 0)
-
-    def watch_use(self, unsharded_param: torch.Tensor) -> None:
-        """Records whether backward reaches ``unsharded_param`` (eager: [Note: unused parameters])."""
-        if self.used_since_reduction is None:
-            self.used_since_reduction = False
-        unsharded_param.register_hook(self._mark_used)
-
-    def _mark_used(self, grad: torch.Tensor) -> None:
-        self.used_since_reduction = True
-
-    def reduced_gradient_if_used(self, shard_grad: torch.Tensor | None) -> torch.Tensor | None:
-        """An eager all-gather's reduced gradient for this parameter: None where no forward used it since the last.
-
-        ([Note: unused parameters] in passes.unused_params.) Called as the all-gather's
-        backward hands it on, so that it judges that gather's reduction alone: a compiled
-        backward's gradient for the same parameter (an eager call of a module beside a
-        compiled forward) joins it later, in the shard's accumulation.
-        """
-        if shard_grad is None:  # accumulated without sync: nothing reduced yet
-            return None
-        used, self.used_since_reduction = self.used_since_reduction, None
-        if used is not False:
-            return shard_grad
-        if shard_grad.any():
-            raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} was not used by this rank's forward, yet its reduced "
-                "gradient is not zero: another rank used it. As in FSDP2, every rank must use the same "
-                "parameters, or call set_reduce_scatter_unused_params(True) on the module so that an "
-                "unused parameter gets a zero gradient"
-            )
-        return None
 
     def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         grad, shard.grad = shard.grad, None
@@ -652,35 +550,6 @@ class FSDPParam:
         if self.contribution_dtype is None:
             return unsharded_param
         return _RoundedGradient.apply(unsharded_param, self.contribution_dtype)
-
-    def validate_device(self, device_type: str) -> None:
-        """Raises for a parameter the forward cannot gather: still on meta, or off the mesh's device.
-
-        It reads ``shard``, which follows the local tensor's storage through
-        ``reset_sharded_param`` (``to_empty``, ``to``) and is a graph input of every
-        trace anyway: reading the DTensor's ``device`` costs Dynamo more per
-        parameter, and reading ``_local_tensor`` would add each local tensor as an
-        input beside its ``shard``.
-        """
-        device = self.shard.device
-        home = "cpu" if self.offload_to_cpu else device_type
-        if device.type == "meta":
-            raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} is still on the meta device at the first forward. "
-                f"Materialize it first, e.g. module.to_empty(device={home!r}) and then initialize "
-                "the values (reset_parameters() or load a state dict)"
-            )
-        if device.type != home:
-            raise RuntimeError(
-                f"fully_shard: parameter {self.fqn!r} is on {device} but the mesh covers "
-                f"{device_type!r} devices. Move the module with module.to({device_type!r}) before its forward"
-            )
-
-    def _new_padded_shard(self, like: torch.Tensor) -> torch.Tensor:
-        """Zeroed padded storage: in CPU memory with ``CPUOffloadPolicy``, pinned with its ``pin_memory``."""
-        in_cpu_memory = self.offload_to_cpu and not like.is_meta
-        padded = like.new_zeros((self.padded_rows, *like.shape[1:]), device="cpu" if in_cpu_memory else None)
-        return padded.pin_memory() if self.pin_memory and not padded.is_meta else padded
 
     def adopt_loaded_param(self) -> None:
         """See [Note: a sharded parameter assigned by load_state_dict]."""

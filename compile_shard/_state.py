@@ -321,7 +321,7 @@ def _validate_devices(root: FSDPState) -> bool:
 def _validate_compilable(root: FSDPState) -> bool:
     """Raises, in a trace, for settings a compiled step cannot honour.
 
-    A ``grad_dtype`` wider than its parameter ([Note: grad_dtype] in ``_param``), and
+    A ``grad_dtype`` wider than its parameter ([Note: grad_dtype] in ``_gradient_rules``), and
     unsharded storage kept across reshards ([Note: unsharded storage kept across
     reshards] in ``_group``).
     """
