@@ -1,6 +1,8 @@
-"""benchmarks/report.py: docs/benchmarks.md shows benchmarks/results/current/, each result with its meta.
+"""benchmarks/report.py: every measured number of README.md and docs/ is generated from benchmarks/results/current/.
 
-Pure file work, a second or two: the script needs no torch.
+Pure file work, a second or two: the script needs no torch. A test that changes a
+document or a result changes a copy of what the script reads (``repo``), which passes
+the check before the change, so each failure below is the change's.
 """
 
 import json
@@ -10,20 +12,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "report.py"
-DOC = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results" / "current"
 META_FIELDS = ("commit", "torch", "hardware", "command", "date")
 
 
-def _check(doc: Path = DOC, results: Path = RESULTS) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPT), "--check", "--doc", str(doc), "--results", str(results)]
+def _report(*args: str, root: Path = ROOT) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), *args, "--root", str(root)]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
-def test_the_doc_shows_the_current_results():
-    result = _check()
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A copy of README.md, docs/*.md and the current results, which passes the check."""
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "README.md", tmp_path)
+    for path in (ROOT / "docs").glob("*.md"):
+        shutil.copy(path, tmp_path / "docs")
+    shutil.copytree(RESULTS, tmp_path / "benchmarks" / "results" / "current")
+    result = _report("--check", root=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return tmp_path
+
+
+def _append(path: Path, text: str) -> int:
+    """Appends a paragraph to a document; its line number."""
+    old = path.read_text()
+    path.write_text(old + "\n" + text + "\n")
+    return old.count("\n") + 2
+
+
+def test_the_docs_show_the_current_results():
+    result = _report("--check")
     assert result.returncode == 0, result.stderr + "\nrun: python benchmarks/report.py"
 
 
@@ -37,35 +60,91 @@ def test_every_current_result_records_what_was_measured():
         assert "benchmarks/" in meta["command"], f"{path.name}: the command names no benchmark script"
 
 
-def test_the_check_fails_on_an_altered_table_and_the_script_restores_it(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    original = DOC.read_text()
-    # The first data row of the first generated table: its second cell gets another figure.
-    block = re.search(r"<!-- table: (\S+) .*?-->\n.*?\n\|.*?\n\|.*?\n(\| [^|]+\| )([^|]+)", original, re.DOTALL)
-    assert block is not None, "no generated table in docs/benchmarks.md"
-    altered = original[: block.start(3)] + "999.9 " + original[block.end(3) :]
-    doc.write_text(altered)
-
-    result = _check(doc)
+@pytest.mark.parametrize(
+    "document, number",
+    [("README.md", "0.47x"), ("docs/benchmarks.md", "2.8 s"), ("docs/design.md", "24 ms"), ("docs/api.md", "12%"),
+     ("docs/benchmarks.md", "761 MB"), ("docs/debugging.md", "49 MiB"), ("README.md", "23 µs")],
+)
+def test_a_measured_number_written_by_hand_fails_the_check(repo, document, number):
+    line = _append(repo / document, f"The compiled step takes {number} against FSDP2 eager's.")
+    result = _report("--check", root=repo)
     assert result.returncode == 1
-    assert block.group(1) in result.stderr
-
-    subprocess.run([sys.executable, str(SCRIPT), "--doc", str(doc)], check=True, capture_output=True, cwd=ROOT)
-    assert doc.read_text() == original
+    assert f"{document}:{line}: {number!r} is a measured number written by hand" in result.stderr
 
 
-def test_a_result_without_a_table_or_without_its_meta_fails_the_check(tmp_path):
-    results = tmp_path / "current"
-    shutil.copytree(RESULTS, results)
-    name = sorted(RESULTS.glob("*.json"))[0].stem
+def test_the_same_number_generated_passes_the_check(repo):
+    readme = repo / "README.md"
+    _append(readme, "The compiled step takes <!-- value: step_fp32 --><!-- end of value --> FSDP2 eager's.")
+    result = _report("--check", root=repo)
+    assert result.returncode == 1 and "README.md: the value step_fp32 is out of date" in result.stderr
 
+    assert _report(root=repo).returncode == 0
+    modes = json.loads((RESULTS / "config_B_W2_fp32.json").read_text())["modes"]
+    ratio = modes["cs_compiled"]["median_step_s"] / modes["fsdp2_eager"]["median_step_s"]
+    assert f"<!-- value: step_fp32 -->{ratio:.2f}x<!-- end of value -->" in readme.read_text()
+    result = _report("--check", root=repo)
+    assert result.returncode == 0, result.stderr
+
+
+def test_numbers_that_are_not_measurements_pass_the_check(repo):
+    _append(
+        repo / "docs" / "benchmarks.md",
+        "On x86_64 with fp32, 8 layers and 3 steps of `hsdp_2x2` (`--timeout 60 s`, `0.5x`):\n\n"
+        "```bash\npython benchmarks/train_bench.py  # 2.8 s, 0.48x\n```",
+    )
+    result = _report("--check", root=repo)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_value_that_names_no_figure_fails_the_check(repo):
+    _append(repo / "README.md", "It takes <!-- value: no_such_figure -->1.00x<!-- end of value --> of it.")
+    result = _report("--check", root=repo)
+    assert result.returncode == 1 and "no figure named no_such_figure" in result.stderr
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/benchmarks.md"])
+def test_the_check_fails_on_an_altered_table_and_the_script_restores_it(repo, document):
+    path = repo / document
+    original = path.read_text()
+    # The first data row of the document's first generated table: its second cell gets another figure.
+    block = re.search(r"<!-- table: (\S+) .*?-->\n.*?\n\|.*?\n\|.*?\n(\| [^|]+\| )([^|]+)", original, re.DOTALL)
+    assert block is not None, f"no generated table in {document}"
+    path.write_text(original[: block.start(3)] + "999.9 " + original[block.end(3) :])
+
+    result = _report("--check", root=repo)
+    assert result.returncode == 1
+    assert f"{document}: the table of {block.group(1)} is out of date" in result.stderr
+
+    assert _report(root=repo).returncode == 0
+    assert path.read_text() == original
+
+
+def test_a_result_without_a_table_or_without_its_meta_fails_the_check(repo):
+    results = repo / "benchmarks" / "results" / "current"
+    name = sorted(results.glob("*.json"))[0].stem
     (results / f"{name}_copy.json").write_text((results / f"{name}.json").read_text())
-    result = _check(results=results)
+    result = _report("--check", root=repo)
     assert result.returncode == 1 and f"no block for {name}_copy" in result.stderr
 
     (results / f"{name}_copy.json").unlink()
     data = json.loads((results / f"{name}.json").read_text())
     del data["meta"]["hardware"]
     (results / f"{name}.json").write_text(json.dumps(data))
-    result = _check(results=results)
+    result = _report("--check", root=repo)
     assert result.returncode == 1 and "hardware" in result.stderr
+
+
+def test_a_figure_whose_result_is_gone_fails_the_check(repo):
+    (repo / "benchmarks" / "results" / "current" / "config_B_W2_fp32.json").unlink()
+    result = _report("--check", root=repo)
+    assert result.returncode == 1
+    assert "the figure step_fp32 reads config_B_W2_fp32, which has no file" in result.stderr
+
+
+def test_the_commands_rerun_every_current_result():
+    result = _report("--commands")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    paths = sorted(RESULTS.glob("*.json"))
+    assert [line.split(":")[0] for line in lines[0::2]] == [f"# {path.name}" for path in paths]
+    assert lines[1::2] == [json.loads(path.read_text())["meta"]["command"] for path in paths]
