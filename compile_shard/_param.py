@@ -52,8 +52,10 @@ The one vocabulary of the runtime, the ops and the passes. For a parameter of
   smaller group in backward ([Note: resharding to a smaller group] in ``_group_settings``).
 - sharded gradient: this rank's reduced rows, the ``.grad`` of the sharded parameter.
 - group (``FSDPParamGroup``): the parameters of one ``fully_shard`` call, gathered by
-  one all-gather and reduced by one reduce-scatter; named after its module
-  (``"layers.0"``, the root ``""``), the name the passes' annotation carries
+  one all-gather and reduced by one reduce-scatter; named after its module's path
+  under the root (``"layers.0"``; the root, whose path is empty, by its class name,
+  ``"Llama"``; a call on several modules joins their names with ``+``), when the root
+  claims it (``FSDPState.claim_root``): the name the passes' annotation carries
   ([Note: the group annotation]). A bucket is several groups merged by the passes.
 - process group: the c10d group the collectives run on (the mesh's); ops take its
   name, ``group_name``. On HSDP's 2-D mesh the shard group (dim 1) gathers and
