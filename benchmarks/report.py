@@ -117,10 +117,17 @@ def _cell(value, ratio=None, digits: int = 1, scale: float = 1.0) -> str:
 
 
 def _train_bench(data: dict) -> str:
-    """train_bench.py: one row per mode; on a fake group (GPU mode) milliseconds and the simulated communication."""
+    """train_bench.py: one row per mode; on a fake group (GPU mode) milliseconds and the simulated communication.
+
+    A run with the ``floor`` mode also has each median step's ratio to the floor's
+    (``ratios_to_floor``), beside its ratio to FSDP2 eager; results from before the
+    floor existed have no such column.
+    """
     fake = data["process_group"] == "fake"
     unit, scale, digits = ("ms", 1000.0, 1) if fake else ("s", 1.0, 3)
-    header = ["mode", "cold s", f"median {unit}", f"min {unit}", "peak MB", "step MB", "params MB"]
+    with_floor = any(r is not None and "ratios_to_floor" in r for r in data["modes"].values())
+    header = ["mode", "cold s", f"median {unit}", *(["vs floor"] if with_floor else []), f"min {unit}"]
+    header += ["peak MB", "step MB", "params MB"]
     header += ["AG/RS/AR/A2A", "graphs/breaks/recompiles"]
     header += ["sim comm ms", "projected ms"] if fake else ["max \\|dloss\\|"]
     rows = []
@@ -134,6 +141,7 @@ def _train_bench(data: dict) -> str:
             mode,
             _cell(r["cold_step_s"], ratios.get("cold_step_s")),
             _cell(r["median_step_s"], ratios.get("median_step_s"), digits, scale),
+            *([_ratio_to_floor(r)] if with_floor else []),
             _cell(r["min_step_s"], ratios.get("min_step_s"), digits, scale),
             _cell(r["peak_memory_mb"], ratios.get("peak_memory_mb")),
             _cell(r["step_peak_memory_mb"], ratios.get("step_peak_memory_mb")),
@@ -147,6 +155,11 @@ def _train_bench(data: dict) -> str:
             row.append("n/a" if r["max_loss_diff"] is None else f"{r['max_loss_diff']:.1e}")
         rows.append(row)
     return _table(header, rows)
+
+
+def _ratio_to_floor(result: dict) -> str:
+    ratio = (result.get("ratios_to_floor") or {}).get("median_step_s")
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _cold_start(data: dict) -> str:

@@ -31,6 +31,10 @@ batches, each mode in its own fresh processes, one mode after the other:
 - ``ddp``, ``ddp_compiled``: ``DistributedDataParallel``, eager and under ``torch.compile``.
 - ``reference``: the unsharded model in one process on the global batch, one rank-sized
   micro-batch after the other (the mean of their losses): the loss reference.
+- ``floor``: the unsharded model under ``torch.compile`` with the run's backend, its
+  parameters (and buffers) in the policy's ``param_dtype`` (bf16 with ``--mp bf16``),
+  on one rank's batch in one process with one rank's threads, alone: the step a rank
+  would take if sharding cost nothing. Its losses are one rank's rows', not compared.
 
 Measured per mode (docs/benchmarks.md explains each method):
 
@@ -60,7 +64,11 @@ Measured per mode (docs/benchmarks.md explains each method):
 - Per rank, the seconds compile_shard's rank check spent comparing new graphs across
   the ranks (``rank_check_s``), waiting for the other ranks to reach it included.
 
-Figures are printed with their ratio to ``fsdp2_eager``; ``--json`` writes everything.
+Figures are printed with their ratio to ``fsdp2_eager``, and when ``floor`` ran, each
+mode's median step with its ratio to the floor's (``ratios_to_floor`` in the JSON: every
+ratio field); ``--json`` writes everything. On the fake process group that ratio is a
+mode's own overhead beyond the model's compute (copies in and out, casts, padding, extra
+kernels), as no communication happens there.
 ``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
 backward (FSDP2's ``reshard_after_forward=False``): one all-gather per block and step
 instead of two, DDP's bytes per step.
@@ -258,6 +266,19 @@ def _build_reference(model: Llama, ctx: BuildContext) -> nn.Module:
     return model
 
 
+def _build_floor(model: Llama, ctx: BuildContext) -> nn.Module:
+    """The unsharded model compiled, in the dtype the FSDP modes compute in.
+
+    Its parameters are ``param_dtype`` themselves, so nothing is cast per step: the
+    sharded modes' unsharded parameters are ``param_dtype`` too, and their blocks get
+    RoPE's tables in it (``cast_forward_inputs``), hence the buffers are cast as well.
+    The optimizer then steps the ``param_dtype`` parameters, the whole model's.
+    """
+    if ctx.param_dtype is not None:
+        model.to(ctx.param_dtype)
+    return torch.compile(model, backend=ctx.backend)
+
+
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """How to build a mode, and where its collectives are counted.
@@ -277,6 +298,8 @@ class Mode:
     #: DDP's reducer reads its all-reduce's result, which the fake process group does not
     #: produce (torch 2.11 and 2.13 assert in ``c10d/comm.cpp`` at the first backward).
     runs_on_fake_group: bool = True
+    #: Trains rank 0's rows alone (the floor): its losses are not the global batch's.
+    one_rank_alone: bool = False
 
 
 MODES = {
@@ -291,8 +314,10 @@ MODES = {
     "ddp": Mode(_build_ddp, runs_on_fake_group=False),
     "ddp_compiled": Mode(_build_ddp_compiled, compiled=True, runs_on_fake_group=False),
     "reference": Mode(_build_reference, distributed=False),
+    "floor": Mode(_build_floor, distributed=False, compiled=True, one_rank_alone=True),
 }
 BASELINE_MODE = "fsdp2_eager"
+FLOOR_MODE = "floor"
 
 
 def _switch_off_overlap_passes() -> list[str]:
@@ -571,8 +596,12 @@ def _global_batches(config: BenchConfig) -> list[torch.Tensor]:
 
 
 def _rows(plan: Plan, rank: int) -> slice:
-    """This process's rows of the global batch: all of them for the reference, unless under the fake group."""
-    if MODES[plan.mode].distributed or plan.fake:
+    """This process's rows of the global batch: all of them for the reference, unless under the fake group.
+
+    The floor's are rank 0's: it measures one rank's step, so it takes one rank's batch.
+    """
+    mode = MODES[plan.mode]
+    if mode.distributed or mode.one_rank_alone or plan.fake:
         return slice(rank * plan.config.batch_per_rank, (rank + 1) * plan.config.batch_per_rank)
     return slice(None)
 
@@ -727,6 +756,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     count_loss, collectives = _counting_step(mode, recorder, runnable, optimizer, batches[-1], micro_batches)
     losses.append(count_loss)
     return {
+        "batch_shape": list(batches[0].shape),
         "times": times,
         "cpu_per_step": cpu,
         "losses": [loss.item() for loss in losses],
@@ -753,6 +783,8 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
     simulation = first["simulation"]
     return {
         "processes": len(per_rank),
+        # One process's tokens per step, (rows, seq + 1): one rank's, but the reference's global batch on gloo.
+        "batch_shape": first["batch_shape"],
         "cold_step_s": step_times[0],
         "median_step_s": median,
         # Per rank, the time in the rank check's exchanges (the first run of each new graph),
@@ -784,7 +816,7 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
 
 
 def _init_process_group(plan: Plan, rank: int) -> dist.Store | None:
-    """Joins this mode's process group and returns its store; ``None`` for the reference, which runs alone."""
+    """Joins this mode's process group and returns its store; ``None`` for the modes that run alone."""
     if plan.device == "cuda":
         torch.cuda.set_device(0)
     if not MODES[plan.mode].distributed:
@@ -895,18 +927,25 @@ def _scalar(result: dict, field: str) -> float | None:
 
 
 def _add_comparisons(results: dict[str, dict], fake: bool) -> None:
-    """Adds the loss difference from the reference and the ratios to fsdp2_eager to every mode."""
+    """Adds the loss difference from the reference, the ratios to fsdp2_eager, and to the floor where it ran."""
     reference = results.get("reference")
     baseline = results.get(BASELINE_MODE)
-    for result in results.values():
-        if fake or reference is None:
+    floor = results.get(FLOOR_MODE)
+    for name, result in results.items():
+        if fake or reference is None or MODES[name].one_rank_alone:
             result["max_loss_diff"] = None
         else:
             result["max_loss_diff"] = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"]))
-        result["ratios"] = {
-            field: _ratio(_scalar(result, field), _scalar(baseline, field)) if baseline else None
-            for field in RATIO_FIELDS
-        }
+        result["ratios"] = _ratios(result, baseline)
+        if floor is not None:
+            result["ratios_to_floor"] = _ratios(result, floor)
+
+
+def _ratios(result: dict, base: dict | None) -> dict[str, float | None]:
+    """Each of ``RATIO_FIELDS`` over ``base``'s; ``None`` where ``base`` did not run or its figure is 0."""
+    return {
+        field: _ratio(_scalar(result, field), _scalar(base, field)) if base else None for field in RATIO_FIELDS
+    }
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -919,9 +958,15 @@ def _cell(value: float | None, ratio: float | None, digits: int) -> str:
     return f"{value:.{digits}f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def format_table(report: dict) -> str:
-    """The printed summary: one row per mode, ratios to fsdp2_eager in parentheses."""
-    header = ["mode", "cold s", "median s", "min s", "peak MB", "step MB", "params MB", "AG", "RS", "AR", "A2A"]
+    """The printed summary: one row per mode, ratios to fsdp2_eager in parentheses, the median's to the floor beside."""
+    with_floor = FLOOR_MODE in report["modes"]
+    header = ["mode", "cold s", "median s", *(["vs floor"] if with_floor else []), "min s", "peak MB", "step MB"]
+    header += ["params MB", "AG", "RS", "AR", "A2A"]
     header += ["graphs/breaks/recompiles", "max |dloss|"]
     compile_fields = ("unique_graphs", "graph_breaks", "recompiles")
     if report["process_group"] == "fake":
@@ -934,6 +979,7 @@ def format_table(report: dict) -> str:
             name,
             _cell(r["cold_step_s"], ratios["cold_step_s"], 3),
             _cell(r["median_step_s"], ratios["median_step_s"], 4),
+            *([_times(r["ratios_to_floor"]["median_step_s"])] if with_floor else []),
             _cell(r["min_step_s"], ratios["min_step_s"], 4),
             _cell(_scalar(r, "peak_memory_mb"), ratios["peak_memory_mb"], 1),
             _cell(_scalar(r, "step_peak_memory_mb"), ratios["step_peak_memory_mb"], 1),
@@ -963,6 +1009,7 @@ def _describe(report: dict) -> str:
         f"batch {c['batch_per_rank']}/rank; W={report['world_size']} {group} on {report['device']}, "
         f"backend {report['backend']}, {report['threads_per_process']} thread(s)/process; "
         f"{c['warmup']} warm-up + {c['steps']} timed steps; times: slowest rank; (x): ratio to {BASELINE_MODE}"
+        + (f"; vs floor: median step over {FLOOR_MODE}'s" if FLOOR_MODE in report["modes"] else "")
         + ("" if report["reshard_after_forward"] else "; FSDP blocks not resharded after forward")
         + ("; bf16 parameters and compute, fp32 reductions (--mp bf16)" if report["mixed_precision"] == "bf16" else "")
     )
@@ -970,6 +1017,11 @@ def _describe(report: dict) -> str:
 
 def _notes(report: dict) -> list[str]:
     notes = ["AG/RS/AR/A2A: all-gathers, reduce-scatters, all-reduces, all-to-alls per step"]
+    if FLOOR_MODE in report["modes"]:
+        notes.append(
+            f"{FLOOR_MODE}: the unsharded model compiled, in the policy's parameter dtype, on one rank's batch "
+            "with one rank's threads, alone; its loss (one rank's rows) is not compared"
+        )
     if report["process_group"] == "fake":
         notes.append("losses not compared: the fake process group moves no data")
         notes.append(

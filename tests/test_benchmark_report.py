@@ -5,6 +5,8 @@ document or a result changes a copy of what the script reads (``repo``), which p
 the check before the change, so each failure below is the change's.
 """
 
+import copy
+import importlib.util
 import json
 import re
 import shutil
@@ -148,3 +150,35 @@ def test_the_commands_rerun_every_current_result():
     paths = sorted(RESULTS.glob("*.json"))
     assert [line.split(":")[0] for line in lines[0::2]] == [f"# {path.name}" for path in paths]
     assert lines[1::2] == [json.loads(path.read_text())["meta"]["command"] for path in paths]
+
+
+def _report_module(monkeypatch):
+    spec = importlib.util.spec_from_file_location("benchmark_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses resolve annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cells(table: str) -> list[list[str]]:
+    return [line.strip("| ").split(" | ") for line in table.splitlines()]
+
+
+def test_a_train_bench_table_shows_the_ratio_to_the_floor_when_the_result_has_it(monkeypatch):
+    """A column beside the median; a result from before the floor renders as it did."""
+    report = _report_module(monkeypatch)
+    old = json.loads((RESULTS / "config_B_W2_fp32.json").read_text())
+    assert "floor" not in old["modes"] and "vs floor" not in report._train_bench(old)
+    new = copy.deepcopy(old)
+    floor_median = old["modes"]["reference"]["median_step_s"] / 2
+    new["modes"]["floor"] = {**copy.deepcopy(old["modes"]["reference"]), "median_step_s": floor_median}
+    for result in new["modes"].values():
+        result["ratios_to_floor"] = {"median_step_s": result["median_step_s"] / floor_median}
+
+    rows = _cells(report._train_bench(new))
+    median = rows[0].index("median s")
+    assert rows[0][median + 1] == "vs floor"
+    for row, (mode, result) in zip(rows[2:], new["modes"].items()):
+        assert row[0] == mode and row[median + 1] == f"{result['median_step_s'] / floor_median:.2f}x"
+    # Without the new column and the floor's row, the table is the old one.
+    assert [row[: median + 1] + row[median + 2 :] for row in rows[:-1]] == _cells(report._train_bench(old))

@@ -1,8 +1,9 @@
 """benchmarks/train_bench.py on its smoke configuration: the JSON report's schema, losses, collectives and ratios.
 
-Two runs of the script, shared by the tests: five modes on 2 gloo processes, and three
+Two runs of the script, shared by the tests: six modes on 2 gloo processes, and four
 modes on rank 0 of a fake process group of 8, in mixed precision (``--mp bf16``) and
-with glibc's mmap threshold left adaptive.
+with glibc's mmap threshold left adaptive; both with the floor, against which every
+mode's ratios are reported too.
 Compiled modes use ``aot_eager`` so that no Inductor compilation makes the file slow.
 """
 
@@ -25,12 +26,13 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_bench.py"
-GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference"]
-FAKE_MODES = ["cs_compiled", "cs_compiled_inlined", "fsdp2_eager"]
+GLOO_MODES = ["cs_eager", "cs_compiled", "fsdp2_eager", "ddp", "reference", "floor"]
+FAKE_MODES = ["cs_compiled", "cs_compiled_inlined", "fsdp2_eager", "floor"]
 TIME_FIELDS = {"cold_step_s", "median_step_s", "min_step_s"}
 RATIO_FIELDS = TIME_FIELDS | {"peak_memory_mb", "step_peak_memory_mb"}
 MODE_FIELDS = {
     "processes",
+    "batch_shape",
     "cold_step_s",
     "median_step_s",
     "min_step_s",
@@ -53,6 +55,7 @@ MODE_FIELDS = {
     "overlap_settings_off",
     "max_loss_diff",
     "ratios",
+    "ratios_to_floor",
     "rank_check_s",
 }
 SMOKE_STEPS, SMOKE_WARMUP = 3, 1
@@ -63,7 +66,7 @@ def _run(tmp_path_factory, name: str, *args: str) -> dict:
     command = [sys.executable, str(SCRIPT), "--config", "smoke", "--backend", "aot_eager", "--json", str(path), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "max |dloss|" in result.stdout  # the table was printed
+    assert "max |dloss|" in result.stdout and "vs floor" in result.stdout  # the table was printed
     return json.loads(path.read_text())
 
 
@@ -90,7 +93,6 @@ def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
     assert report["config"]["vocab_size"] == 1001
     assert (report["config"]["steps"], report["config"]["warmup"]) == (SMOKE_STEPS, SMOKE_WARMUP)
     assert list(report["modes"]) == modes
-    baseline = report["modes"]["fsdp2_eager"]
     for name, result in report["modes"].items():
         assert set(result) == MODE_FIELDS, name
         assert len(result["step_times_s"]) == SMOKE_STEPS
@@ -107,13 +109,19 @@ def _check_schema(report: dict, modes: list[str], world_size: int) -> None:
         assert all(isinstance(mb, float) for mb in result["peak_memory_mb"] + result["step_peak_memory_mb"]), name
         assert set(result["collectives"]) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
         assert result["collectives_equal_on_all_ranks"]
-        assert set(result["ratios"]) == RATIO_FIELDS
-        for field in TIME_FIELDS:
-            assert result["ratios"][field] == pytest.approx(result[field] / baseline[field]), (name, field)
-        for field in RATIO_FIELDS - TIME_FIELDS:  # None when fsdp2_eager's figure is 0 (nothing new became resident)
-            base = max(baseline[field])
-            expected = max(result[field]) / base if base else None
-            assert result["ratios"][field] == pytest.approx(expected), (name, field)
+        _check_ratios(name, result, "ratios", report["modes"]["fsdp2_eager"])
+        _check_ratios(name, result, "ratios_to_floor", report["modes"]["floor"])
+
+
+def _check_ratios(name: str, result: dict, key: str, base: dict) -> None:
+    """``result[key]``: each of its figures over ``base``'s."""
+    assert set(result[key]) == RATIO_FIELDS
+    for field in TIME_FIELDS:
+        assert result[key][field] == pytest.approx(result[field] / base[field]), (name, key, field)
+    for field in RATIO_FIELDS - TIME_FIELDS:  # None when the base's figure is 0 (nothing new became resident)
+        largest = max(base[field])
+        expected = max(result[field]) / largest if largest else None
+        assert result[key][field] == pytest.approx(expected), (name, key, field)
 
 
 def test_gloo_report_schema_and_ratios(gloo_report):
@@ -123,7 +131,7 @@ def test_gloo_report_schema_and_ratios(gloo_report):
     assert gloo_report["fixed_mmap_threshold"] is True
     assert all(result["mallopt_applied"] for result in gloo_report["modes"].values())  # glibc on this machine
     processes = {name: result["processes"] for name, result in gloo_report["modes"].items()}
-    assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1}
+    assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1, "floor": 1}
     # aot_eager has no post-partition hook, so no rank check runs: every rank reports 0 s.
     assert {name: result["rank_check_s"] for name, result in gloo_report["modes"].items()} == {
         name: [0.0] * count for name, count in processes.items()
@@ -131,12 +139,43 @@ def test_gloo_report_schema_and_ratios(gloo_report):
 
 
 def test_gloo_losses_match_the_reference(gloo_report):
-    """Eager modes within 1e-6, the compiled one (aot_eager here) within 1e-5."""
-    modes = gloo_report["modes"]
+    """Eager modes within 1e-6, the compiled one (aot_eager here) within 1e-5; the floor trains other rows."""
+    modes = dict(gloo_report["modes"])
+    assert modes.pop("floor")["max_loss_diff"] is None
     assert modes["reference"]["max_loss_diff"] == 0.0
     for name, result in modes.items():
         bound = 1e-5 if name == "cs_compiled" else 1e-6
         assert result["max_loss_diff"] <= bound, (name, result["max_loss_diff"])
+
+
+@pytest.mark.parametrize("group, bytes_per_parameter", [("gloo", 4), ("fake", 2)])
+def test_the_floor_is_one_rank_batch_compiled_in_the_policy_dtype(gloo_report, fake_report, group, bytes_per_parameter):
+    """One process with one rank's rows, compiled into one graph, its parameters fp32 or bf16 (``--mp bf16``)."""
+    report = gloo_report if group == "gloo" else fake_report
+    config, modes = report["config"], report["modes"]
+    one_rank = [config["batch_per_rank"], config["seq"] + 1]
+    assert modes["floor"]["batch_shape"] == modes["fsdp2_eager"]["batch_shape"] == one_rank
+    assert modes["floor"]["processes"] == 1
+    assert modes["floor"]["param_memory_mb"] == [pytest.approx(report["parameters"] * bytes_per_parameter / 2**20)]
+    stats = modes["floor"]["compile"]
+    assert (stats["unique_graphs"], stats["graph_breaks"], stats["recompiles"], stats["backend_graphs"]) == (1, 0, 0, 2)
+    assert not any(modes["floor"]["collectives"].values())
+    assert modes["floor"]["ratios_to_floor"]["median_step_s"] == 1.0
+    if group == "gloo":  # the reference steps through every rank's rows, one rank's batch at a time
+        assert modes["reference"]["batch_shape"] == [config["world_size"] * config["batch_per_rank"], config["seq"] + 1]
+
+
+def test_without_the_floor_no_mode_has_ratios_to_it(monkeypatch):
+    """A run without ``floor`` reports as before it existed: no ``ratios_to_floor``, no column."""
+    train_bench = _import_train_bench(monkeypatch)
+    figures = {field: [1.0] for field in RATIO_FIELDS - TIME_FIELDS} | {field: 1.0 for field in TIME_FIELDS}
+    result = {**figures, "losses": [2.0], "param_memory_mb": [1.0], "compile": None}
+    result["collectives"] = dict.fromkeys(train_bench.COLLECTIVE_KINDS, 0)
+    results = {name: dict(result) for name in ("cs_compiled", "fsdp2_eager", "reference")}
+    train_bench._add_comparisons(results, fake=False)
+    assert all("ratios" in result and "ratios_to_floor" not in result for result in results.values())
+    table = train_bench.format_table({"process_group": "gloo", "modes": results})
+    assert "median s" in table and "vs floor" not in table
 
 
 def _import_train_bench(monkeypatch):
@@ -159,6 +198,8 @@ def test_the_reference_steps_on_one_micro_batch_per_rank(monkeypatch):
     assert micro_batches(reference) == smoke.world_size == 2
     assert micro_batches(dataclasses.replace(reference, mode="cs_eager")) == 1
     assert micro_batches(dataclasses.replace(reference, fake=True)) == 1  # one rank's rows under the fake group
+    floor = dataclasses.replace(reference, mode="floor")
+    assert train_bench._rows(floor, 0) == slice(0, smoke.batch_per_rank) and micro_batches(floor) == 1
 
 
 def test_gloo_collectives_per_step(gloo_report):
