@@ -8,7 +8,8 @@ AOTAutograd's functional-graph check satisfied.
 
 One module per job; importing this package registers every op:
 
-- ``library``: the ``fsdp`` ``Library`` object and the dispatch keys of the real kernels;
+- ``library``: the ``fsdp`` ``Library`` object, ``define`` (an op from its schema) and the
+  decorators that register a function as an op's kernel, Meta kernel or backward;
 - ``all_gather``: ``all_gather_into``, ``all_gather_send_recv_``, ``all_gather_params_``,
   ``post_forward_chunk``, ``as_gathered`` (``all_gather_into``'s autograd for unsharded
   parameters gathered another way), ``call_all_reduce_hook_`` (a group's all-reduce

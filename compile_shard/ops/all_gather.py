@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .backend import gathers_by_send_recv
 from .checks import _check_same_dtype
-from .library import _lib, register_kernels
+from .library import autograd, define, kernel, meta
 from .names import bound
 from .transport import _Exchange, _padded_flat
 
@@ -126,24 +126,26 @@ assert _REDUCE_GRADS == _ACCUMULATED_GRAD + 1 and _PARTIAL_REDUCE_OUTPUT == _ALL
 
 
 _REDUCTION_OPTIONS = ReductionOptions.schema()
-_lib.define(
+all_gather_into = define(
     f"all_gather_into(Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
     f"{_REDUCTION_OPTIONS}) -> Tensor"
 )
-_lib.define(
+as_gathered = define(
     f"as_gathered(Tensor[] unsharded, Tensor[] shards, SymInt[] padded_numels, SymInt world_size, str group_name, "
     f"{_REDUCTION_OPTIONS}) -> Tensor[]"
 )
-_lib.define(
+all_gather_send_recv_ = define(
     "all_gather_send_recv_(Tensor(a!) output, Tensor all_gather_input, SymInt world_size, "
     "str group_name) -> ()"
 )
-_lib.define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
-_lib.define("all_gather_with_comm(Tensor all_gather_input, SymInt world_size, str group_name, str comm) -> Tensor")
-_lib.define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
-_lib.define("copy_out(Tensor all_gather_output, SymInt world_size, SymInt[] padded_numels) -> Tensor[]")
-_lib.define("copy_in(Tensor[] shards, SymInt[] padded_numels, ScalarType? dtype=None) -> Tensor")
-_lib.define(
+call_all_reduce_hook_ = define("call_all_reduce_hook_(Tensor(a!) reduced, str hook) -> ()")
+all_gather_with_comm = define(
+    "all_gather_with_comm(Tensor all_gather_input, SymInt world_size, str group_name, str comm) -> Tensor"
+)
+post_forward_chunk = define("post_forward_chunk(Tensor all_gather_output, SymInt size, SymInt rank) -> Tensor")
+copy_out = define("copy_out(Tensor all_gather_output, SymInt world_size, SymInt[] padded_numels) -> Tensor[]")
+copy_in = define("copy_in(Tensor[] shards, SymInt[] padded_numels, ScalarType? dtype=None) -> Tensor")
+all_gather_params_ = define(
     "all_gather_params_(Tensor(a!) unsharded_params, Tensor[] shards, SymInt[] padded_numels, "
     "SymInt world_size, str group_name) -> ()"
 )
@@ -181,6 +183,7 @@ def _check_shards(
 # ``fsdp.copy_out`` and ``fsdp.reduce_scatter_input`` are.
 
 
+@kernel("copy_in")
 def _copy_in_kernel(shards, padded_numels, dtype=None):
     _check_shards(shards, padded_numels, dtype, op_name="copy_in")
     output = shards[0].new_empty(sum(padded_numels), dtype=dtype or shards[0].dtype)
@@ -191,6 +194,7 @@ def _copy_in_kernel(shards, padded_numels, dtype=None):
     return output
 
 
+@meta("copy_in")
 def _copy_in_meta(shards, padded_numels, dtype=None):
     _check_shards(shards, padded_numels, dtype, op_name="copy_in")
     return shards[0].new_empty(sum(padded_numels), dtype=dtype or shards[0].dtype)
@@ -199,6 +203,7 @@ def _copy_in_meta(shards, padded_numels, dtype=None):
 # all_gather_into ---------------------------------------------------------------------
 
 
+@kernel("all_gather_into")
 def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *options):
     options = ReductionOptions.of(options)
     _check_shards(shards, padded_numels, options.param_dtype)
@@ -219,6 +224,7 @@ def _all_gather_into_kernel(shards, padded_numels, world_size, group_name, *opti
     return funcol.wait_tensor(all_gather_output)
 
 
+@meta("all_gather_into")
 def _all_gather_into_meta(shards, padded_numels, world_size, group_name, *options):
     param_dtype = ReductionOptions.of(options).param_dtype
     _check_shards(shards, padded_numels, param_dtype)
@@ -249,6 +255,7 @@ def _plus_once(ctx: Any, done: str, grad: torch.Tensor, addend: torch.Tensor | N
     return grad + addend
 
 
+@autograd("all_gather_into", setup_context=_all_gather_into_setup_context)
 def _all_gather_into_backward(ctx, all_gather_output_grad):
     """The gradient of an all-gather is a reduce-scatter: FSDP's gradient reduction.
 
@@ -396,15 +403,14 @@ def _shard_grad(padded_grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 # named in op arguments] in ``compile_shard.ops.names``).
 
 
+@kernel("call_all_reduce_hook_")
 def _call_all_reduce_hook_kernel(reduced, hook):
     bound("call_all_reduce_hook_", hook)(reduced)
 
 
+@meta("call_all_reduce_hook_")
 def _call_all_reduce_hook_meta(reduced, hook):
     return None
-
-
-register_kernels("call_all_reduce_hook_", _call_all_reduce_hook_kernel, _call_all_reduce_hook_meta)
 
 
 # Custom collectives ------------------------------------------------------------------
@@ -424,6 +430,7 @@ register_kernels("call_all_reduce_hook_", _call_all_reduce_hook_kernel, _call_al
 # when the op returns.
 
 
+@kernel("all_gather_with_comm")
 def _all_gather_with_comm_kernel(all_gather_input, world_size, group_name, comm):
     process_group, all_gather = _resolve_process_group(group_name), bound("all_gather_with_comm", comm)
     output = all_gather.allocate(
@@ -437,11 +444,9 @@ def _all_gather_with_comm_kernel(all_gather_input, world_size, group_name, comm)
     return output
 
 
+@meta("all_gather_with_comm")
 def _all_gather_with_comm_meta(all_gather_input, world_size, group_name, comm):
     return all_gather_input.new_empty(world_size * all_gather_input.numel())
-
-
-register_kernels("all_gather_with_comm", _all_gather_with_comm_kernel, _all_gather_with_comm_meta)
 
 
 # as_gathered -------------------------------------------------------------------------
@@ -477,11 +482,13 @@ def _check_as_gathered(unsharded, shards, padded_numels) -> None:
     )
 
 
+@kernel("as_gathered")
 def _as_gathered_kernel(unsharded, shards, padded_numels, world_size, group_name, *options):
     _check_as_gathered(unsharded, shards, padded_numels)
     return [tensor.clone(memory_format=torch.contiguous_format) for tensor in unsharded]
 
 
+@meta("as_gathered")
 def _as_gathered_meta(unsharded, shards, padded_numels, world_size, group_name, *options):
     _check_as_gathered(unsharded, shards, padded_numels)
     return [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in unsharded]
@@ -492,6 +499,7 @@ def _as_gathered_setup_context(ctx, inputs, output):
     _all_gather_into_setup_context(ctx, inputs[1:], output)
 
 
+@autograd("as_gathered", setup_context=_as_gathered_setup_context)
 def _as_gathered_backward(ctx, unsharded_grads):
     unsharded_grads = [
         torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
@@ -545,7 +553,8 @@ def as_gathered_views(unsharded, shards, padded_numels, world_size, group_name, 
 # view) in backward from a gather over the whole group instead of saving it.
 
 
-def _check_chunks(all_gather_output, size, rank) -> None:
+def _chunk_numel(all_gather_output, size, rank) -> int:
+    """The numel of each of ``size`` equal chunks of ``all_gather_output``, once checked that it has a chunk ``rank``."""
     torch._check(
         all_gather_output.dim() == 1 and all_gather_output.numel() % size == 0 and 0 <= rank < size,
         lambda: (
@@ -553,17 +562,18 @@ def _check_chunks(all_gather_output, size, rank) -> None:
             f"shape {tuple(all_gather_output.shape)} and rank {rank}"
         ),
     )
+    return all_gather_output.numel() // size
 
 
+@kernel("post_forward_chunk")
 def _post_forward_chunk_kernel(all_gather_output, size, rank):
-    _check_chunks(all_gather_output, size, rank)
-    numel = all_gather_output.numel() // size
+    numel = _chunk_numel(all_gather_output, size, rank)
     return all_gather_output[rank * numel : (rank + 1) * numel].clone()
 
 
+@meta("post_forward_chunk")
 def _post_forward_chunk_meta(all_gather_output, size, rank):
-    _check_chunks(all_gather_output, size, rank)
-    return all_gather_output.new_empty(all_gather_output.numel() // size)
+    return all_gather_output.new_empty(_chunk_numel(all_gather_output, size, rank))
 
 
 # copy_out ----------------------------------------------------------------------------
@@ -584,6 +594,7 @@ def _check_copy_out(all_gather_output, world_size, padded_numels) -> None:
     )
 
 
+@kernel("copy_out")
 def _copy_out_kernel(all_gather_output, world_size, padded_numels):
     _check_copy_out(all_gather_output, world_size, padded_numels)
     outputs = [all_gather_output.new_empty(world_size * numel) for numel in padded_numels]
@@ -596,6 +607,7 @@ def _copy_out_kernel(all_gather_output, world_size, padded_numels):
     return outputs
 
 
+@meta("copy_out")
 def _copy_out_meta(all_gather_output, world_size, padded_numels):
     _check_copy_out(all_gather_output, world_size, padded_numels)
     return [all_gather_output.new_empty(world_size * numel) for numel in padded_numels]
@@ -606,6 +618,7 @@ def _copy_out_setup_context(ctx, inputs, output) -> None:
     ctx.dtype, ctx.device = all_gather_output.dtype, all_gather_output.device
 
 
+@autograd("copy_out", setup_context=_copy_out_setup_context)
 def _copy_out_backward(ctx, grads):
     """The gradients laid out rank-major again; a parameter without one gives zeros (``passes.unused_params``)."""
     columns = [
@@ -620,6 +633,7 @@ def _copy_out_backward(ctx, grads):
 # all_gather_send_recv_ ---------------------------------------------------------------
 
 
+@kernel("all_gather_send_recv_")
 def _all_gather_send_recv_kernel(output, all_gather_input, world_size, group_name):
     _check_send_recv(all_gather_input, world_size, output)
     transfers = _Exchange(group_name)
@@ -640,6 +654,7 @@ def _check_send_recv(all_gather_input, world_size, output) -> None:
     _check_same_dtype("all_gather_send_recv_", output, all_gather_input)
 
 
+@meta("all_gather_send_recv_")
 def _all_gather_send_recv_meta(output, all_gather_input, world_size, group_name):
     _check_send_recv(all_gather_input, world_size, output)
 
@@ -670,6 +685,7 @@ def _check_all_gather_params(unsharded_params, shards, padded_numels, world_size
     _check_same_dtype("all_gather_params_", unsharded_params, shards[0])
 
 
+@kernel("all_gather_params_")
 def _all_gather_params_kernel(unsharded_params, shards, padded_numels, world_size, group_name):
     _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
     transfers = _Exchange(group_name)
@@ -679,32 +695,6 @@ def _all_gather_params_kernel(unsharded_params, shards, padded_numels, world_siz
     transfers.register(unsharded_params)
 
 
+@meta("all_gather_params_")
 def _all_gather_params_meta(unsharded_params, shards, padded_numels, world_size, group_name):
     _check_all_gather_params(unsharded_params, shards, padded_numels, world_size)
-
-
-register_kernels("all_gather_into", _all_gather_into_kernel, _all_gather_into_meta)
-register_kernels("as_gathered", _as_gathered_kernel, _as_gathered_meta)
-register_kernels("all_gather_params_", _all_gather_params_kernel, _all_gather_params_meta)
-register_kernels("all_gather_send_recv_", _all_gather_send_recv_kernel, _all_gather_send_recv_meta)
-register_kernels("post_forward_chunk", _post_forward_chunk_kernel, _post_forward_chunk_meta)
-register_kernels("copy_out", _copy_out_kernel, _copy_out_meta)
-register_kernels("copy_in", _copy_in_kernel, _copy_in_meta)
-
-torch.library.register_autograd(
-    "fsdp::all_gather_into", _all_gather_into_backward, setup_context=_all_gather_into_setup_context, lib=_lib
-)
-torch.library.register_autograd("fsdp::copy_out", _copy_out_backward, setup_context=_copy_out_setup_context, lib=_lib)
-torch.library.register_autograd(
-    "fsdp::as_gathered", _as_gathered_backward, setup_context=_as_gathered_setup_context, lib=_lib
-)
-
-all_gather_into = torch.ops.fsdp.all_gather_into.default
-all_gather_params_ = torch.ops.fsdp.all_gather_params_.default
-as_gathered = torch.ops.fsdp.as_gathered.default
-all_gather_send_recv_ = torch.ops.fsdp.all_gather_send_recv_.default
-all_gather_with_comm = torch.ops.fsdp.all_gather_with_comm.default
-call_all_reduce_hook_ = torch.ops.fsdp.call_all_reduce_hook_.default
-post_forward_chunk = torch.ops.fsdp.post_forward_chunk.default
-copy_out = torch.ops.fsdp.copy_out.default
-copy_in = torch.ops.fsdp.copy_in.default

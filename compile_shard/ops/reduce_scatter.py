@@ -18,27 +18,29 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from .._layout import padded_rows
 from .backend import reduces_by_all_to_all
 from .checks import _check_same_dtype
-from .library import _lib, register_kernels
+from .library import autograd, define, kernel, meta
 from .names import bound
 from .transport import _Exchange, _padded_flat
 
-_lib.define(
+all_to_all_grads_ = define(
     "all_to_all_grads_(Tensor(a!) received, Tensor[] unsharded_grads, SymInt world_size, str group_name) -> ()"
 )
-_lib.define(
+reduce_scatter_grad = define(
     "reduce_scatter_grad(Tensor unsharded_grad, SymInt world_size, str group_name, "
     "str reduce_op='avg', str? comm=None) -> Tensor"
 )
-_lib.define(
+reduce_scatter_with_comm = define(
     "reduce_scatter_with_comm(Tensor reduce_scatter_input, SymInt world_size, str group_name, str reduce_op, "
     "str comm) -> Tensor"
 )
-_lib.define(
+reduce_scatter_input = define(
     "reduce_scatter_input(Tensor[] unsharded_grads, SymInt world_size, ScalarType? dtype=None) -> Tensor"
 )
-_lib.define("reduce_scatter_input_into_(Tensor(a!) output, Tensor[] unsharded_grads, SymInt world_size) -> ()")
-_lib.define("all_to_all_into_(Tensor(a!) output, Tensor input, SymInt world_size, str group_name) -> ()")
-_lib.define("sum_shards(Tensor received, SymInt world_size, str reduce_op='avg') -> Tensor")
+reduce_scatter_input_into_ = define(
+    "reduce_scatter_input_into_(Tensor(a!) output, Tensor[] unsharded_grads, SymInt world_size) -> ()"
+)
+all_to_all_into_ = define("all_to_all_into_(Tensor(a!) output, Tensor input, SymInt world_size, str group_name) -> ()")
+sum_shards = define("sum_shards(Tensor received, SymInt world_size, str reduce_op='avg') -> Tensor")
 
 _REDUCE_OPS = ("avg", "sum")
 
@@ -60,6 +62,7 @@ def _check_divisible(op_name: str, tensor: torch.Tensor, world_size) -> None:
     )
 
 
+@kernel("reduce_scatter_grad")
 def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_op="avg", comm=None):
     _check_reduce_op("reduce_scatter_grad", reduce_op)
     if world_size == 1:  # [Note: a group of one rank]: a sum or an average of one
@@ -78,6 +81,7 @@ def _reduce_scatter_grad_kernel(unsharded_grad, world_size, group_name, reduce_o
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(unsharded_grad, reduce_op, world_size, group_name))
 
 
+@meta("reduce_scatter_grad")
 def _reduce_scatter_grad_meta(unsharded_grad, world_size, group_name, reduce_op="avg", comm=None):
     _check_reduce_op("reduce_scatter_grad", reduce_op)
     _check_divisible("reduce_scatter_grad", unsharded_grad, world_size)
@@ -88,6 +92,7 @@ def _reduce_scatter_grad_setup_context(ctx, inputs, output):
     _, ctx.world_size, ctx.group_name, ctx.reduce_op = inputs[:4]
 
 
+@autograd("reduce_scatter_grad", setup_context=_reduce_scatter_grad_setup_context)
 def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
     gathered = torch.ops.fsdp.all_gather_into(
         [sharded_grad_grad], [sharded_grad_grad.numel()], ctx.world_size, ctx.group_name
@@ -97,6 +102,7 @@ def _reduce_scatter_grad_backward(ctx, sharded_grad_grad):
     return gathered, *[None] * (len(ctx.needs_input_grad) - 1)
 
 
+@kernel("reduce_scatter_with_comm")
 def _reduce_scatter_with_comm_kernel(reduce_scatter_input, world_size, group_name, reduce_op, comm):
     """The custom reduce-scatter's call, as FSDP2 makes it ([Note: custom collectives] in ops.all_gather)."""
     _check_reduce_op("reduce_scatter_with_comm", reduce_op)
@@ -113,6 +119,7 @@ def _reduce_scatter_with_comm_kernel(reduce_scatter_input, world_size, group_nam
     return output
 
 
+@meta("reduce_scatter_with_comm")
 def _reduce_scatter_with_comm_meta(reduce_scatter_input, world_size, group_name, reduce_op, comm):
     _check_divisible("reduce_scatter_with_comm", reduce_scatter_input, world_size)
     return reduce_scatter_input.new_empty(reduce_scatter_input.numel() // world_size)
@@ -151,6 +158,7 @@ def _reduce_scatter_input_numel(unsharded_grads: Sequence[torch.Tensor], world_s
     return world_size * sum(padded_rows(grad.size(0), world_size) * grad[0].numel() for grad in unsharded_grads)
 
 
+@kernel("reduce_scatter_input")
 def _reduce_scatter_input_kernel(unsharded_grads, world_size, dtype=None):
     _check_grads("reduce_scatter_input", unsharded_grads)
     if dtype is None or dtype == unsharded_grads[0].dtype:
@@ -160,6 +168,7 @@ def _reduce_scatter_input_kernel(unsharded_grads, world_size, dtype=None):
     return output
 
 
+@meta("reduce_scatter_input")
 def _reduce_scatter_input_meta(unsharded_grads, world_size, dtype=None):
     _check_grads("reduce_scatter_input", unsharded_grads)
     return unsharded_grads[0].new_empty(_reduce_scatter_input_numel(unsharded_grads, world_size), dtype=dtype)
@@ -179,11 +188,13 @@ def _check_rank_major_output(op_name: str, output, unsharded_grads, world_size, 
         _check_same_dtype(op_name, output, unsharded_grads[0])
 
 
+@kernel("reduce_scatter_input_into_")
 def _reduce_scatter_input_into_kernel(output, unsharded_grads, world_size):
     _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size, casts=True)
     torch._chunk_cat(unsharded_grads, 0, world_size, out=output.view(world_size, -1))
 
 
+@meta("reduce_scatter_input_into_")
 def _reduce_scatter_input_into_meta(output, unsharded_grads, world_size):
     _check_rank_major_output("reduce_scatter_input_into_", output, unsharded_grads, world_size, casts=True)
 
@@ -208,12 +219,14 @@ def _check_all_to_all_into(output, input, world_size) -> None:
     _check_divisible("all_to_all_into_", input, world_size)
 
 
+@kernel("all_to_all_into_")
 def _all_to_all_into_kernel(output, input, world_size, group_name):
     _check_all_to_all_into(output, input, world_size)
     work = _resolve_process_group(group_name).alltoall_base(output, input, [], [])  # [] []: equal splits
     torch._C._distributed_c10d._register_work(output, work)
 
 
+@meta("all_to_all_into_")
 def _all_to_all_into_meta(output, input, world_size, group_name):
     _check_all_to_all_into(output, input, world_size)
 
@@ -223,6 +236,7 @@ def _all_to_all_into_meta(output, input, world_size, group_name):
 # the gradients ([Note: gloo exchange in place]).
 
 
+@kernel("all_to_all_grads_")
 def _all_to_all_grads_kernel(received, unsharded_grads, world_size, group_name):
     _check_rank_major_output("all_to_all_grads_", received, unsharded_grads, world_size)
     transfers = _Exchange(group_name)
@@ -238,6 +252,7 @@ def _all_to_all_grads_kernel(received, unsharded_grads, world_size, group_name):
     transfers.register(received)
 
 
+@meta("all_to_all_grads_")
 def _all_to_all_grads_meta(received, unsharded_grads, world_size, group_name):
     _check_rank_major_output("all_to_all_grads_", received, unsharded_grads, world_size)
 
@@ -246,6 +261,7 @@ def _all_to_all_grads_meta(received, unsharded_grads, world_size, group_name):
 # Adds the world_size equal shards of a flat buffer in rank order ([Note: gloo reduce-scatter]).
 
 
+@kernel("sum_shards")
 def _sum_shards_kernel(received, world_size, reduce_op="avg"):
     _check_reduce_op("sum_shards", reduce_op)
     _check_divisible("sum_shards", received, world_size)
@@ -259,31 +275,8 @@ def _sum_shards_kernel(received, world_size, reduce_op="avg"):
     return sharded_grad
 
 
+@meta("sum_shards")
 def _sum_shards_meta(received, world_size, reduce_op="avg"):
     _check_reduce_op("sum_shards", reduce_op)
     _check_divisible("sum_shards", received, world_size)
     return received.new_empty(received.numel() // world_size)
-
-
-register_kernels("all_to_all_grads_", _all_to_all_grads_kernel, _all_to_all_grads_meta)
-register_kernels("all_to_all_into_", _all_to_all_into_kernel, _all_to_all_into_meta)
-register_kernels("reduce_scatter_grad", _reduce_scatter_grad_kernel, _reduce_scatter_grad_meta)
-register_kernels("reduce_scatter_with_comm", _reduce_scatter_with_comm_kernel, _reduce_scatter_with_comm_meta)
-register_kernels("reduce_scatter_input", _reduce_scatter_input_kernel, _reduce_scatter_input_meta)
-register_kernels("reduce_scatter_input_into_", _reduce_scatter_input_into_kernel, _reduce_scatter_input_into_meta)
-register_kernels("sum_shards", _sum_shards_kernel, _sum_shards_meta)
-
-torch.library.register_autograd(
-    "fsdp::reduce_scatter_grad",
-    _reduce_scatter_grad_backward,
-    setup_context=_reduce_scatter_grad_setup_context,
-    lib=_lib,
-)
-
-all_to_all_grads_ = torch.ops.fsdp.all_to_all_grads_.default
-all_to_all_into_ = torch.ops.fsdp.all_to_all_into_.default
-reduce_scatter_grad = torch.ops.fsdp.reduce_scatter_grad.default
-reduce_scatter_input = torch.ops.fsdp.reduce_scatter_input.default
-reduce_scatter_input_into_ = torch.ops.fsdp.reduce_scatter_input_into_.default
-reduce_scatter_with_comm = torch.ops.fsdp.reduce_scatter_with_comm.default
-sum_shards = torch.ops.fsdp.sum_shards.default
