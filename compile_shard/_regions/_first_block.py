@@ -92,7 +92,9 @@ def _block_facts(module: nn.Module) -> tuple:
     the names of its modules' plain attributes, its name, where the user's forward starts ([Note: the
     classes of a sharded module]), and its buffers by ``id``."""
     state = module._compile_shard_state
-    plain = {name for submodule in state.region_modules for name, value in submodule.__dict__.items() if isinstance(value, PLAIN)}
+    plain = {
+        name for submodule in state.region_modules for name, value in submodule.__dict__.items() if isinstance(value, PLAIN)
+    }
     code = user_class(type(module)).forward.__code__
     buffers = tuple((id(buffer), name) for name, buffer in module.named_buffers())
     name = state.group.settings.module_name
