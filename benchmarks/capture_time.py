@@ -3,6 +3,7 @@
     python benchmarks/capture_time.py                          # 8, 16, 32 and 64 layers
     python benchmarks/capture_time.py --layers 8,16 --rounds 2 --json capture.json
     python benchmarks/capture_time.py --layers 8,32 --symbolic   # the sequence length symbolic
+    python benchmarks/capture_time.py --modes regions --against 9aff7cb   # this tree against a commit
 
 A Llama (dim 64) sharded per block on rank 0 of a fake process group of 8, captured by
 ``compile_shard.dry_run.capture_step``: Dynamo, AOTAutograd with the min-cut
@@ -21,6 +22,10 @@ changed does.
 The mode ``unsharded_regions`` is torch's own floor for the one-graph design: the same
 Llama without sharding, every block a ``torch.compiler.nested_compile_region``, captured
 the same way. What a sharded mode's capture adds to it per block is compile_shard's.
+
+``--against COMMIT`` checks ``COMMIT`` out in a temporary git worktree and runs each
+capture there too, right after the same capture here, so a change is measured against
+its parent in alternated runs; its rows are named ``<mode> at <COMMIT>``.
 The mode ``gathered_regions`` measures a design compile_shard does not have yet: each
 block's parameters sharded by hand as one flat shard (FSDP2's layout: every parameter
 padded and split by rows), all-gathered by ``funcol`` in the outer graph, and every
@@ -32,12 +37,17 @@ shows what a block's capture would cost with no per-parameter work in the outer 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -220,13 +230,32 @@ def capture_seconds(layers: int, mode: str, symbolic: bool = False) -> dict[str,
     }
 
 
-def _in_fresh_process(layers: int, mode: str, symbolic: bool) -> dict[str, float]:
-    command = [sys.executable, __file__, "--one", str(layers), "--mode", mode]
+def _in_fresh_process(layers: int, mode: str, symbolic: bool, tree: Path | None = None) -> dict[str, float]:
+    """One capture in a new process, of this tree's compile_shard or, given ``tree``, of that checkout's."""
+    script = Path(__file__) if tree is None else tree / "benchmarks" / "capture_time.py"
+    command = [sys.executable, str(script), "--one", str(layers), "--mode", mode]
     command += ["--symbolic"] if symbolic else []
-    finished = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    finished = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if finished.returncode != 0:
         raise RuntimeError(f"capturing {layers} layers failed:\n{finished.stderr[-4000:]}")
     return json.loads(finished.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def _checkout(commit: str | None) -> Iterator[Path | None]:
+    """A temporary git worktree of ``commit`` (``None``: nothing), removed afterwards."""
+    if commit is None:
+        yield None
+        return
+    repository = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as parent:
+        tree = Path(parent) / commit
+        subprocess.run(["git", "-C", str(repository), "worktree", "add", "--detach", str(tree), commit], check=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(repository), "worktree", "remove", "--force", str(tree)], check=True)
 
 
 def main(argv=None) -> None:
@@ -238,6 +267,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--symbolic", action="store_true", help="the sequence length symbolic, as in the recompile after it changed"
     )
+    parser.add_argument("--against", metavar="COMMIT", help="also capture at COMMIT, alternated with this tree")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a worker: one capture, JSON on stdout
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -250,12 +280,16 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
-    for _ in range(args.rounds):
-        for layers in depths:
-            for mode in modes:
-                runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, mode, args.symbolic))
+    with _checkout(args.against) as other:
+        for _ in range(args.rounds):
+            for layers in depths:
+                for mode in modes:
+                    runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, mode, args.symbolic))
+                    if other is not None:
+                        capture = _in_fresh_process(layers, mode, args.symbolic, other)
+                        runs.setdefault((f"{mode} at {args.against}", layers), []).append(capture)
     rows = []
-    for mode in modes:
+    for mode in dict.fromkeys(mode for mode, _ in runs):
         smallest = None
         for layers in depths:
             capture = statistics.median(run["capture_s"] for run in runs[mode, layers])

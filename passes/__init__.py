@@ -31,9 +31,11 @@ Then, on each partitioned forward and backward graph (Inductor's post-grad hook,
 it left whole in the joint graph ([Note: resharding to a smaller group]);
 ``reorder`` issues all-gathers ahead and reduce-scatters
 early (the schedule); with Inductor, ``gather_buffers`` lets its memory planner
-allocate (and reuse) the all-gather outputs; ``verify`` after each. ``keep_order`` makes
-Inductor's scheduler keep that schedule. Last, ``rank_check`` puts the check that every
-rank of a group runs the same collectives first in the graph ([Note: the rank check]).
+allocate (and reuse) the all-gather outputs; ``profile_ranges`` names each group's
+collectives for the profiler as FSDP2 does ([Note: profiler ranges in
+compiled graphs]); ``verify`` after each. ``keep_order`` makes Inductor's scheduler keep
+that schedule. Last, ``rank_check`` puts the check that every rank of a group runs the
+same collectives first in the graph ([Note: the rank check]).
 
 ``fully_shard`` installs them (``install()``); ``settings`` switches each one off.
 A graph holding only part of a sharded model (a graph break) raises a
@@ -52,6 +54,7 @@ from .install import JOINT_PASSES, has_sharded_params, install, run_partitioned_
 from .keep_order import keep_order
 from .lower import lower
 from .place import place
+from .profile_ranges import profile_ranges
 from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
@@ -77,6 +80,7 @@ __all__ = [
     "lower",
     "overridden",
     "place",
+    "profile_ranges",
     "rank_check",
     "refunctionalize",
     "reorder",

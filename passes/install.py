@@ -62,6 +62,7 @@ from .graph_breaks import warn_if_partial
 from .keep_order import keep_order
 from .lower import lower
 from .place import place
+from .profile_ranges import profile_ranges
 from .rank_check import rank_check
 from .refunctionalize import refunctionalize
 from .reorder import reorder, reorder_within_budget
@@ -202,6 +203,8 @@ def run_partitioned_suite(graph: fx.Graph, *, planned_buffers: bool = False) -> 
     if planned_buffers and settings.gather_buffers:
         gather_buffers(graph)
         _after(gather_buffers, graph, None)
+    if settings.profile_ranges and profile_ranges(graph):
+        _after(profile_ranges, graph, None)
     if settings.rank_check and rank_check(graph):
         _after(rank_check, graph, None)
     if GraphDump.latest is not None:

@@ -61,6 +61,9 @@ class PassSettings:
     #: With Inductor: all-gathers write into compiler-allocated buffers that its memory
     #: planner reuses from group to group; see [Note: planned all-gather buffers].
     gather_buffers: bool = True
+    #: Run each group's collectives inside FSDP2's profiler ranges in the partitioned
+    #: graphs; see [Note: profiler ranges in compiled graphs].
+    profile_ranges: bool = True
     #: Peak-memory cap for a scheduled graph in MB; the prefetch depth is lowered to fit.
     memory_budget_mb: float | None = None
     #: Hardware profile for the simulator (budget, dumps); ``None``: by the graph's device.
