@@ -23,9 +23,8 @@ The mode ``unsharded_regions`` is torch's own floor for the one-graph design: th
 Llama without sharding, every block a ``torch.compiler.nested_compile_region``, captured
 the same way. What a sharded mode's capture adds to it per block is compile_shard's.
 
-``--against COMMIT`` checks ``COMMIT`` out in a temporary git worktree and runs each
-capture there too, right after the same capture here, so a change is measured against
-its parent in alternated runs; its rows are named ``<mode> at <COMMIT>``.
+``--against COMMIT`` runs each capture at ``COMMIT`` too, right after the same capture
+here (``against.py``); its rows are named ``<mode> at <COMMIT>``.
 The mode ``gathered_regions`` measures a design compile_shard does not have yet: each
 block's parameters sharded by hand as one flat shard (FSDP2's layout: every parameter
 padded and split by rows), all-gathered by ``funcol`` in the outer graph, and every
@@ -37,20 +36,18 @@ shows what a block's capture would cost with no per-parameter work in the outer 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from against import checkout, environment, named
 
 MODES = ("inlined", "regions", "unsharded_regions", "gathered_regions")
 
@@ -235,27 +232,11 @@ def _in_fresh_process(layers: int, mode: str, symbolic: bool, tree: Path | None 
     script = Path(__file__) if tree is None else tree / "benchmarks" / "capture_time.py"
     command = [sys.executable, str(script), "--one", str(layers), "--mode", mode]
     command += ["--symbolic"] if symbolic else []
-    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    env = None if tree is None else environment(tree)
     finished = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if finished.returncode != 0:
         raise RuntimeError(f"capturing {layers} layers failed:\n{finished.stderr[-4000:]}")
     return json.loads(finished.stdout.strip().splitlines()[-1])
-
-
-@contextlib.contextmanager
-def _checkout(commit: str | None) -> Iterator[Path | None]:
-    """A temporary git worktree of ``commit`` (``None``: nothing), removed afterwards."""
-    if commit is None:
-        yield None
-        return
-    repository = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory() as parent:
-        tree = Path(parent) / commit
-        subprocess.run(["git", "-C", str(repository), "worktree", "add", "--detach", str(tree), commit], check=True)
-        try:
-            yield tree
-        finally:
-            subprocess.run(["git", "-C", str(repository), "worktree", "remove", "--force", str(tree)], check=True)
 
 
 def main(argv=None) -> None:
@@ -280,14 +261,14 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with _checkout(args.against) as other:
+    with checkout(args.against) as other:
         for _ in range(args.rounds):
             for layers in depths:
                 for mode in modes:
                     runs.setdefault((mode, layers), []).append(_in_fresh_process(layers, mode, args.symbolic))
                     if other is not None:
                         capture = _in_fresh_process(layers, mode, args.symbolic, other)
-                        runs.setdefault((f"{mode} at {args.against}", layers), []).append(capture)
+                        runs.setdefault((named(mode, args.against), layers), []).append(capture)
     rows = []
     for mode in dict.fromkeys(mode for mode, _ in runs):
         smallest = None

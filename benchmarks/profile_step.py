@@ -8,12 +8,16 @@
     python benchmarks/profile_step.py --mode cs_compiled --op rank_check  # that operator's calls and time
     python benchmarks/profile_step.py --mode cs_compiled --config A --no-reshard-after-forward
     python benchmarks/profile_step.py --mode cs_compiled --mp bf16   # bf16 parameters, fp32 reductions
+    python benchmarks/profile_step.py --mode cs_compiled --fake-world-size 8   # rank 0 of a fake group
+    python benchmarks/profile_step.py --mode floor     # the unsharded model compiled, one rank's batch
 
-Builds the configuration's model (``train_bench.CONFIGS``, default B), shards or wraps
-it like ``train_bench.py`` does for the mode, runs two warm-up steps (compilation included) and profiles three
-steps on every rank. Rank 0 prints the operators with the most self CPU time and the
-share of the profiled time spent in collectives (waits included), computing, and in
-the optimizer.
+Builds the configuration's model (``train_bench.CONFIGS``, default B) the way
+``train_bench.py`` builds the mode (its ``MODES``), runs two warm-up steps (compilation
+included) and profiles three steps on every rank, each on one rank's batch and one
+thread. A mode that runs alone (``floor``, ``reference``) and any mode under
+``--fake-world-size`` run one process. Rank 0 prints the operators with the most self
+CPU time and the share of the profiled time spent in collectives (waits included),
+computing, and in the optimizer.
 """
 
 from __future__ import annotations
@@ -26,34 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
 import compile_shard.passes
-from compile_shard import fully_shard
 from compile_shard.models import Llama
-from train_bench import CONFIGS
+from train_bench import CONFIGS, MODES, BuildContext
 
 COMMUNICATION = (
     "c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "all_reduce", "alltoall", "all_to_all"
 )
-
-
-def _build(mode: str, config, reshard_after_forward: bool, mp: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = Llama(config)
-    if mode == "ddp_compiled":
-        return torch.compile(DistributedDataParallel(model))
-    shard = torch_fully_shard if mode.startswith("fsdp2") else fully_shard
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp == "bf16" else None
-    for block in model.layers:
-        shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy or MixedPrecisionPolicy())
-    shard(model, mp_policy=policy or MixedPrecisionPolicy())
-    compile_shard.passes.settings.compile_regions = mode != "cs_compiled_inlined"
-    compile_shard.passes.settings.rank_check = mode != "cs_compiled_no_rank_check"
-    return torch.compile(model) if mode.startswith("cs_compiled") else model
 
 
 def _step(model, optimizer, tokens) -> None:
@@ -63,29 +49,43 @@ def _step(model, optimizer, tokens) -> None:
     optimizer.zero_grad()
 
 
-def _worker(
-    rank: int, world_size: int, port: int, mode: str, top: int, config_name: str, reshard: bool, mp: str, op: str | None
-) -> None:
+def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    mode = MODES[args.mode]
+    if args.fake_world_size is not None and mode.distributed:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world_size)
+    elif mode.distributed:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        bench = CONFIGS[config_name]
+        bench = CONFIGS[args.config]
         config = bench.llama()
-        model = _build(mode, config, reshard, mp)
+        compile_shard.passes.settings.compile_regions = mode.compile_regions
+        compile_shard.passes.settings.rank_check = mode.rank_check
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),)) if mode.distributed else None
+        param_dtype = torch.bfloat16 if args.mp == "bf16" else None
+        ctx = BuildContext(mesh, "inductor" if mode.compiled else None, args.reshard_after_forward, param_dtype)
+        torch.manual_seed(0)
+        model = Llama(config)
+        runnable = mode.build(model, ctx)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, config.vocab_size, (bench.batch_per_rank, bench.seq + 1), generator=generator)
         for _ in range(2):
-            _step(model, optimizer, tokens)
-        dist.barrier()
+            _step(runnable, optimizer, tokens)
+        if world_size > 1:
+            dist.barrier()
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             for _ in range(3):
-                _step(model, optimizer, tokens)
-        dist.barrier()
+                _step(runnable, optimizer, tokens)
+        if world_size > 1:
+            dist.barrier()
         if rank == 0:
-            _report(profiler, mode, top, op)
+            _report(profiler, args.mode, args.top, args.op)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _report(profiler, mode: str, top: int, op: str | None) -> None:
@@ -105,10 +105,10 @@ def _report(profiler, mode: str, top: int, op: str | None) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    modes = ("cs_compiled", "cs_compiled_inlined", "cs_compiled_no_rank_check", "cs_eager", "fsdp2_eager", "ddp_compiled")
-    parser.add_argument("--mode", choices=modes, default="cs_compiled")
+    parser.add_argument("--mode", choices=sorted(MODES), default="cs_compiled")
     parser.add_argument("--config", choices=sorted(CONFIGS), default="B")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--fake-world-size", type=int, help="one process, rank 0 of a fake process group of this size")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--op", help="also print the calls and CPU time of the operators whose name contains this")
     parser.add_argument(
@@ -121,12 +121,15 @@ def main(argv=None) -> None:
         "--mp", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP2's bf16 parameters, fp32 reductions"
     )
     args = parser.parse_args(argv)
+    if args.fake_world_size is not None and not MODES[args.mode].runs_on_fake_group:
+        parser.error(f"{args.mode} cannot run on the fake process group (see train_bench.py)")
+    alone = args.fake_world_size is not None or not MODES[args.mode].distributed
+    world_size = 1 if alone else args.world_size
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_args = (args.world_size, port, args.mode, args.top, args.config, args.reshard_after_forward, args.mp, args.op)
-    mp.spawn(_worker, args=spawn_args, nprocs=args.world_size, join=True)
+    mp.spawn(_worker, args=(world_size, port, args), nprocs=world_size, join=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/train_bench.py --config A                        # 2 gloo processes per mode, all modes
     python benchmarks/train_bench.py --config A --world-size 4
     python benchmarks/train_bench.py --config smoke --modes cs_eager,fsdp2_eager,reference --json out.json
+    python benchmarks/train_bench.py --config B --modes cs_compiled,fsdp2_eager --against c895265
     python benchmarks/train_bench.py --config B --device cuda          # one GPU, fake process group of 8 ranks
     python benchmarks/train_bench.py --config smoke --device cpu --fake-world-size 8
     torchrun --nproc-per-node 2 benchmarks/train_bench.py --config A
@@ -105,6 +106,7 @@ import platform
 import resource
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -126,6 +128,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision as _DDPMixedPrecision
 
 import compile_shard.passes
+from against import checkout, environment, mode_of, named
 from compile_shard._collectives import KINDS, node_collective
 from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
@@ -927,12 +930,16 @@ def _scalar(result: dict, field: str) -> float | None:
 
 
 def _add_comparisons(results: dict[str, dict], fake: bool) -> None:
-    """Adds the loss difference from the reference, the ratios to fsdp2_eager, and to the floor where it ran."""
-    reference = results.get("reference")
-    baseline = results.get(BASELINE_MODE)
-    floor = results.get(FLOOR_MODE)
+    """Adds the loss difference from the reference, the ratios to fsdp2_eager, and to the floor where it ran.
+
+    A row run at another commit (``--against``) is compared with that commit's rows.
+    """
     for name, result in results.items():
-        if fake or reference is None or MODES[name].one_rank_alone:
+        mode, at = mode_of(name)
+        reference = results.get("reference" + at)
+        baseline = results.get(BASELINE_MODE + at)
+        floor = results.get(FLOOR_MODE + at)
+        if fake or reference is None or MODES[mode].one_rank_alone:
             result["max_loss_diff"] = None
         else:
             result["max_loss_diff"] = max(abs(a - b) for a, b in zip(result["losses"], reference["losses"]))
@@ -1084,7 +1091,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
         "then include freed heap memory)",
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
+    parser.add_argument(
+        "--against",
+        metavar="COMMIT",
+        help="run each mode at COMMIT too, right after it runs here (rows '<mode> at COMMIT'; not under torchrun)",
+    )
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     fake = _uses_fake_group(args)
     if args.modes is None:
         args.modes = ",".join(name for name, mode in MODES.items() if mode.runs_on_fake_group or not fake)
@@ -1167,7 +1180,7 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
     """Each selected mode in fresh processes, one after the other; results on the printing process."""
     torchrun = _under_torchrun()
     results = {}
-    with tempfile.TemporaryDirectory(prefix="train_bench_") as scratch:
+    with tempfile.TemporaryDirectory(prefix="train_bench_") as scratch, checkout(args.against) as other:
         for name in args.modes.split(","):
             plan = Plan(
                 mode=name,
@@ -1188,7 +1201,33 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
             results[name] = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)
             if results[name] is not None:
                 print(f"train_bench: {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            if other is not None:
+                results[named(name, args.against)] = _run_at(other, args, name, Path(scratch) / "against.json")
     return results
+
+
+def options_passed_on(argv: list[str]) -> list[str]:
+    """The command line without what names this run's modes, output and other commit."""
+    passed_on, skip = [], False
+    for argument in argv:
+        option = argument.split("=")[0]
+        if skip or option in ("--modes", "--json", "--against"):
+            skip = not skip and "=" not in argument
+            continue
+        passed_on.append(argument)
+    return passed_on
+
+
+def _run_at(tree: Path, args: argparse.Namespace, mode: str, path: Path) -> dict:
+    """``mode``'s result from ``tree``'s checkout, run with this command line's other options."""
+    command = [sys.executable, str(tree / "benchmarks" / "train_bench.py"), *options_passed_on(args.argv)]
+    command += ["--modes", mode]
+    command += ["--json", str(path)]
+    finished = subprocess.run(command, capture_output=True, text=True, check=False, env=environment(tree))
+    if finished.returncode != 0:
+        raise RuntimeError(f"{mode} at {args.against} failed:\n{finished.stderr[-4000:]}")
+    print(f"train_bench: {mode} at {args.against} done", file=sys.stderr, flush=True)
+    return json.loads(path.read_text())["modes"][mode]
 
 
 def _check_cost_profile(name: str) -> None:
@@ -1207,6 +1246,8 @@ def main(argv=None) -> dict | None:
     fake = _uses_fake_group(args)
     if fake and _under_torchrun():
         raise SystemExit("the fake process group runs in one process: start it without torchrun")
+    if args.against and _under_torchrun():
+        raise SystemExit("--against runs the other commit's script itself: start it without torchrun")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if fake:

@@ -179,6 +179,7 @@ def test_without_the_floor_no_mode_has_ratios_to_it(monkeypatch):
 
 
 def _import_train_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its own modules (against.py)
     spec = importlib.util.spec_from_file_location("train_bench", SCRIPT)
     train_bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "train_bench", train_bench)  # its dataclasses resolve annotations there
@@ -333,3 +334,25 @@ def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(cap
     with pytest.raises(SystemExit):
         _bench_and_args("--device", "cuda", "--modes", "cs_compiled,ddp")
     assert "['ddp'] cannot run on the fake process group" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--mode", "cs_compiled", "--fake-world-size", "2"], ["--mode", "floor"]])
+def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(argv):
+    script = SCRIPT.parent / "profile_step.py"
+    finished = subprocess.run(
+        [sys.executable, str(script), "--config", "smoke", "--top", "3", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert f"{argv[1]}: 3 profiled steps" in finished.stdout
+    shares = [line for line in finished.stdout.splitlines() if line.strip().startswith(("collectives", "optimizer"))]
+    assert len(shares) == 2, finished.stdout
+
+
+def test_a_run_against_another_commit_passes_on_every_option_but_the_modes_output_and_commit(monkeypatch):
+    train_bench = _import_train_bench(monkeypatch)
+    argv = ["--config", "B", "--modes", "cs_compiled", "--json=out.json", "--mp", "bf16", "--against", "c895265"]
+    assert train_bench.options_passed_on(argv) == ["--config", "B", "--mp", "bf16"]
+    assert train_bench._parse_args(argv).argv == argv
