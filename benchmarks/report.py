@@ -337,6 +337,15 @@ FIGURES = {
     "step_fp32_per_block": Figure("config_B_W2_fp32", _train("cs_compiled", "fsdp2_block_compiled"), _times),
     "step_fp32_ddp": Figure("config_B_W2_fp32", _train("cs_compiled", "ddp_compiled"), _times),
     "step_fp32_floor": Figure("config_B_W2_fp32", _train("cs_compiled", "floor"), _times),
+    "step_fp32_floor_min": Figure(
+        "config_B_W2_fp32", _train("cs_compiled", "floor", quantity="min_step_s"), _times
+    ),
+    "step_rewrite_round1": Figure(
+        "config_B_W2_fp32_against_c895265", _train("cs_compiled", "cs_compiled at c895265"), _times
+    ),
+    "step_rewrite_round2": Figure(
+        "config_B_W2_fp32_against_c895265_round2", _train("cs_compiled", "cs_compiled at c895265"), _times
+    ),
     "overhead_fp32_floor": Figure("config_B_fake8_fp32", _train("cs_compiled", "floor"), _times),
     "peak_memory_fp32": Figure("config_B_W2_fp32", _train("cs_compiled", quantity="peak_memory_mb"), _times),
     "graphs_fp32": Figure(
@@ -363,6 +372,15 @@ FIGURES = {
     "capture_per_block": Figure("capture_time_fake_ws8", _capture("regions", True), _seconds),
     "capture_per_block_floor": Figure("capture_time_fake_ws8", _capture("unsharded_regions", True), _seconds),
     "capture_depth": Figure("capture_time_fake_ws8", _capture("regions", False), _times),
+    "capture_per_block_now": Figure(
+        "capture_time_fake_ws8_against_c895265", _capture("regions", True), _seconds
+    ),
+    "capture_per_block_before": Figure(
+        "capture_time_fake_ws8_against_c895265", _capture("regions at c895265", True), _seconds
+    ),
+    "capture_per_block_floor_now": Figure(
+        "capture_time_fake_ws8_against_c895265", _capture("unsharded_regions", True), _seconds
+    ),
     "step_fp32_torch_2_15": Figure("config_B_W2_fp32_torch215", _train("cs_compiled"), _times),
 }
 
