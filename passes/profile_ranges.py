@@ -35,8 +35,19 @@ import torch.fx as fx
 from compile_shard._annotation import group_annotation
 from compile_shard._collectives import node_collective
 
+from ._graph import VIEWS, aten, fsdp
+
 _ENTER = torch.ops.profiler._record_function_enter_new.default
 _EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
+# What a lowered copy-in is made of (``lower``, ``gather_buffers``): the ops a range may open before.
+_COPY_IN = (
+    *VIEWS,
+    aten.new_empty.default,
+    fsdp.copy_in.default,
+    fsdp.reduce_scatter_input.default,
+    fsdp.reduce_scatter_input_into_.default,
+)
 
 # A collective's kind -> the name of the range it runs in.
 _RANGE_NAMES = {
@@ -48,11 +59,14 @@ _RANGE_NAMES = {
 
 
 def _copy_in_start(collective: fx.Node) -> fx.Node:
-    """The first node of the run right before ``collective`` that it reads, directly or through a buffer
-    filled in place (its copy-in); ``collective`` itself where the node before it is something else."""
+    """The first node of the run of copy-in ops right before ``collective`` that it reads, directly or
+    through a buffer filled in place; ``collective`` itself where the node before it is something else.
+    What the copy-in reads (a block's gradients, a region's outputs) stays outside."""
     start, read = collective, set(collective.all_input_nodes)
-    while (before := start.prev).op == "call_function" and (
-        before in read or any(arg in read for arg in before.all_input_nodes[:1])
+    while (
+        (before := start.prev).op == "call_function"
+        and before.target in _COPY_IN
+        and (before in read or any(arg in read for arg in before.all_input_nodes[:1]))
     ):
         start = before
         read |= set(before.all_input_nodes)

@@ -17,10 +17,10 @@ profiler = torch.ops.profiler
 
 
 def _gather_and_reduce(shard, grad):
-    """A group's copy-in and all-gather, then a reduction of one gradient with no copy-in."""
+    """A group's copy-in and all-gather, then a reduction of one computed gradient, flattened."""
     all_gather_input = fsdp.copy_in([shard], [8], None)
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(all_gather_input, 2, "0"))
-    reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.reshape(-1), "avg", 2, "0"))
+    reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor((grad * 2).reshape(-1), "avg", 2, "0"))
     return gathered, reduced
 
 
@@ -58,6 +58,7 @@ def test_each_groups_collective_runs_from_its_copy_in_inside_fsdp2s_range():
         "all_gather_into_tensor",
         "exit",
         "wait_tensor",
+        "mul",  # the gradient's compute stays outside its reduction's range
         "enter FSDP::post_backward_reduce (blocks.0)",
         "view",
         "reduce_scatter_tensor",
@@ -107,6 +108,7 @@ def _gloo_ranges(rank, world_size):
     ]
     for name, ops in ranges:
         assert any(op.startswith("fsdp::all_") for op in ops), (name, ops)
+        assert "aten::mm" not in ops, (name, ops)  # the block's compute runs outside
 
 
 @pytest.mark.slow
@@ -124,6 +126,7 @@ def test_a_compiled_step_runs_each_collective_inside_its_groups_range():
         f"FSDP::post_backward_reduce ({g})" for g in reductions
     ]
     for name, ops in ranges:
+        assert "aten::mm" not in ops, (name, ops)  # the block's compute runs outside
         if "all_gather" in name:
             assert ops[0] == "fsdp::copy_in" and "_c10d_functional::all_gather_into_tensor_out" in ops, name
         elif ops and ops[0] == "fsdp::reduce_scatter_input_into_":
