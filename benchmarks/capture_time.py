@@ -3,7 +3,7 @@
     python benchmarks/capture_time.py                          # 8, 16, 32 and 64 layers
     python benchmarks/capture_time.py --layers 8,16 --rounds 2 --json capture.json
     python benchmarks/capture_time.py --layers 8,32 --symbolic   # the sequence length symbolic
-    python benchmarks/capture_time.py --modes regions --against 9aff7cb   # this tree against a commit
+    python benchmarks/capture_time.py --modes regions --against c895265   # this tree against a commit
 
 A Llama (dim 64) sharded per block on rank 0 of a fake process group of 8, captured by
 ``compile_shard.dry_run.capture_step``: Dynamo, AOTAutograd with the min-cut
@@ -22,15 +22,15 @@ changed does.
 The mode ``unsharded_regions`` is torch's own floor for the one-graph design: the same
 Llama without sharding, every block a ``torch.compiler.nested_compile_region``, captured
 the same way. What a sharded mode's capture adds to it per block is compile_shard's.
-
-``--against COMMIT`` runs each capture at ``COMMIT`` too, right after the same capture
-here (``against.py``); its rows are named ``<mode> at <COMMIT>``.
 The mode ``gathered_regions`` measures a design compile_shard does not have yet: each
 block's parameters sharded by hand as one flat shard (FSDP2's layout: every parameter
 padded and split by rows), all-gathered by ``funcol`` in the outer graph, and every
 block a region whose one argument is the all-gather output, copying the parameters
 out inside with one op (``copy_out``), recomputed in backward. Against ``regions`` it
 shows what a block's capture would cost with no per-parameter work in the outer graph.
+
+``--against COMMIT`` runs each capture at ``COMMIT`` too, right after the same capture
+here (``against.py``); its rows are named ``<mode> at <COMMIT>``.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ reads, so a scheduler that moves collectives earlier (torch 2.15's ``simple_over
 cannot move the collective out past its copy-in. Inductor may still run a copy-in
 ahead of its range: ``keep_order`` places an extern call at its earliest FX origin,
 which for a copy-in of gradients can be an early gradient's view; the collective then
-stays in its range on torch 2.13 and 2.14, and torch 2.15 can issue it before. A wait gets no range: FSDP2 waits
-inside the phase that reads the result, and a range around a wait is what such a
-scheduler moves (it moves waits later). Collectives without a group annotation (a
+stays in its range on torch 2.13 and 2.14, and torch 2.15 can issue it before. A wait
+gets no range: FSDP2 waits inside the phase that reads the result, and a range around
+a wait is what such a scheduler moves (it moves waits later). Collectives without a group annotation (a
 user's own, tensor parallelism's) get no range. With the profiler off, a range is two
 op calls that record nothing.
 """
