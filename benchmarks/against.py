@@ -5,6 +5,16 @@ drifts within an hour, so two runs an hour apart compare the machine, not the ch
 ``capture_time.py`` and ``train_bench.py`` take ``--against COMMIT``: each run here is
 followed by the same run in ``COMMIT``'s checkout, whose rows are named ``<mode> at
 <COMMIT>``.
+
+[Note: a checkout imports its own passes]
+``pyproject.toml`` maps the package ``compile_shard.passes`` to the top-level
+``passes/`` folder, and the editable install's import finder resolves that name to
+this repository's ``passes/``. Putting a checkout first on ``PYTHONPATH`` makes Python
+import the checkout's ``compile_shard``, but ``compile_shard/passes`` does not exist
+there, so the finder still supplies this repository's passes: a run "at COMMIT" would
+mix COMMIT's runtime with this tree's passes. ``checkout`` links
+``compile_shard/passes`` to the checkout's own ``passes/``, which Python's path finder
+then reaches before the editable finder.
 """
 
 from __future__ import annotations
@@ -28,10 +38,18 @@ def checkout(commit: str | None) -> Iterator[Path | None]:
     with tempfile.TemporaryDirectory() as parent:
         tree = Path(parent) / commit
         subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "add", "--detach", str(tree), commit], check=True)
+        _link_passes(tree)
         try:
             yield tree
         finally:
             subprocess.run(["git", "-C", str(REPOSITORY), "worktree", "remove", "--force", str(tree)], check=True)
+
+
+def _link_passes(tree: Path) -> None:
+    """[Note: a checkout imports its own passes]"""
+    package_passes = tree / "compile_shard" / "passes"
+    if not package_passes.exists():
+        package_passes.symlink_to(Path("..") / "passes", target_is_directory=True)
 
 
 def environment(tree: Path) -> dict[str, str]:
