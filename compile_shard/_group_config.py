@@ -67,6 +67,8 @@ class ConfiguredGroup:
         # reduce-scatter is followed by an all-reduce over the replicate dimension's group.
         self.world_size = mesh.size(-1)
         self.group_name = mesh.get_group(mesh.ndim - 1).group_name
+        #: Its global ranks, for the cost model a trace asks (``passes.bucket.may_bucket``).
+        self.ranks = tuple(dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
         self.replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else None
         self.data_parallel_size = mesh.size()
         # FSDP2's knobs a trace reads, set through the named setters below ([Note: settings a trace reads as
@@ -209,12 +211,11 @@ class ConfiguredGroup:
         if not enable:
             self._replace_settings(reduce_scatter_group_name=None)
             return
-        ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(self.mesh.ndim - 1)))
-        if ranks not in new_groups:
-            new_groups[ranks] = self.settings.reduce_scatter_group_name or dist.new_group(
-                list(ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
+        if self.ranks not in new_groups:
+            new_groups[self.ranks] = self.settings.reduce_scatter_group_name or dist.new_group(
+                list(self.ranks), use_local_synchronization=True, group_desc="fsdp_reduce_scatter"
             ).group_name
-        self._replace_settings(reduce_scatter_group_name=new_groups[ranks])
+        self._replace_settings(reduce_scatter_group_name=new_groups[self.ranks])
 
     def _part_taking_gradients(self) -> AllGatherPart | None:
         requires_grad = self._requires_grad()
@@ -403,12 +404,22 @@ class ConfiguredGroup:
             **self._dtype_annotation(),
         )
 
+    def gathered_bytes(self) -> int:
+        """What the group's all-gathers gather: every rank's padded shards, in each part's wire dtype."""
+        return sum(
+            sum(part.padded_numels) * self.world_size * dtype.itemsize
+            for part, dtype in zip(self.dtypes.all_gather_parts, self._wire_dtypes())
+        )
+
+    def _wire_dtypes(self) -> list[torch.dtype]:
+        """Each all-gather part's dtype ([Note: one all-gather per wire dtype])."""
+        return [wire_dtype(self.fsdp_params[part.indices[0]], self.mp_policy) for part in self.dtypes.all_gather_parts]
+
     def _dtype_annotation(self) -> dict[str, Any]:
         if self.has_extensions:  # the extension's pre- and post-all-gather decide the dtypes
             return {}
-        wire_dtypes = [wire_dtype(self.fsdp_params[part.indices[0]], self.mp_policy) for part in self.dtypes.all_gather_parts]
         return {
-            "all_gather_dtypes": tuple(str(dtype) for dtype in wire_dtypes),
+            "all_gather_dtypes": tuple(str(dtype) for dtype in self._wire_dtypes()),
             "gradient_dtype": str(self.dtypes.gradient_dtype),
             "reduction_dtype": str(self.dtypes.reduction_dtype),
         }

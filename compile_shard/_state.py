@@ -19,6 +19,7 @@ from ._group import FSDPParamGroup, tensors_in
 from ._param import shared_between_groups, sharding_of
 from ._regions import accepts_region_call, count_writes, enters_gathered_as_views, runs_outside_regions
 from ._gc_during_compile import defer_full_collections_while_compiling
+from .passes.bucket import may_bucket
 from .passes.settings import settings
 
 
@@ -168,18 +169,18 @@ class FSDPState:
         """Whether the root's traced unshard leaves this block's copy-out to its block ([Note: a region copies
         out its block's parameters] in ``_regions._call``).
 
-        Not with ``bucket_cap_mb``: ``passes.bucket`` merges groups by their copy-outs in the graph.
+        Not for a group ``passes.bucket`` may merge: it merges groups by their copy-outs in the graph.
         """
         group = self.group
         return (
             settings.compile_regions
-            and settings.bucket_cap_mb is None
             and not self.is_root
             and self.is_block
             and group.copies_out_in_region
             and group.settings.reshard_after_backward
             and group.kept_after_backward is None
             and not runs_outside_regions(self)
+            and not may_bucket(group.gathered_bytes(), group.ranks, on_cuda=group.mesh.device_type == "cuda")
         )
 
     def pre_forward(

@@ -47,7 +47,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--cost-profile",
         help="hardware profile of the simulated schedule in graph dumps (COMPILE_SHARD_DUMP_DIR), e.g. h100_nvlink; "
-        "default: this machine (cpu_gloo)",
+        "default: this machine (cpu_gloo); the cost model's buckets follow it",
+    )
+    parser.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        help="compile_shard.passes.settings.bucket_cap_mb: 0 keeps one all-gather and one reduce-scatter per group "
+        "(FSDP2's); default: the cost model's cap",
     )
     return parser.parse_args(argv)
 
@@ -125,6 +131,7 @@ def _run_reference(model, batches) -> list[float]:
 def _train(args: argparse.Namespace) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     passes.settings.cost_profile = args.cost_profile
+    passes.settings.bucket_cap_mb = args.bucket_cap_mb
     config = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=4, ffn_hidden=args.dim * 3, max_seq_len=args.seq)
     batches = _batches(args, config, world_size)
     torch.manual_seed(0)

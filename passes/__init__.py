@@ -13,7 +13,8 @@ once: its function, its module, its switch in ``settings`` and its dump file.
    default; a semantic pass: switched off, such a parameter gets a zero gradient).
 3. ``compile_regions``: with ``settings.compile_regions``, backward
    reads a block region's parameter arguments, not the region's copies of them.
-4. ``bucket``: merge adjacent groups' collectives (only with a size cap set).
+4. ``bucket``: merge adjacent groups' collectives while a bucket stays latency-bound on the
+   cost profile (or within ``settings.bucket_cap_mb``).
 5. ``reshard``: tag each group's all-gather chain for recompute or for saving (and
    give a group resharded to a smaller group its backward gather from a saved chunk).
 6. ``save_attention``: save zero-dropout attention that a checkpoint region would

@@ -1,10 +1,25 @@
 """bucket: merge the all-gathers (and reduce-scatters) of groups used one after another into one collective.
 
-By default every ``fully_shard`` group keeps its own all-gather and reduce-scatter,
-as in FSDP2, and this pass does nothing. With ``settings.bucket_cap_mb`` set, groups
-whose forwards follow each other are merged while the bucket's unsharded size stays
-within the cap: fewer, larger collectives, which pays off when per-collective
-latency dominates (many small groups, a slow network).
+Groups whose forwards follow each other are merged while the bucket's unsharded size
+stays within a cap: fewer, larger collectives, which pays off where per-collective
+latency dominates (small groups, a slow network). ``settings.bucket_cap_mb`` sets the
+cap; 0 keeps one all-gather and one reduce-scatter per group, as in FSDP2.
+
+[Note: the cost model's buckets]
+By default (``bucket_cap_mb=None``) the cost model sets the cap, per process group:
+the unsharded size below which a ring collective over its ranks costs more latency
+than transfer on the cost profile (``cost_model.latency_bound_bytes``: world size x
+ring-step latency x bus bandwidth). Merging two groups under it saves about one
+collective's latency and costs less than that in transfer time that prefetch no
+longer hides, and a bucket holds no more memory than one collective that size
+moves: small by construction (with the profiles' constants, about 30 MB over 8 ranks
+of an H100 node, under 1 MB over 2 gloo ranks of ``cpu_gloo``), so groups of a large
+model keep FSDP2's collectives and a small model's groups share a few. A block's
+compile region copies out its own parameters only where its group is over half the
+cap, too large to share a bucket with a block like it ([Note: a region copies out its
+block's parameters] in compile_shard._regions._call), since a bucket merges groups by
+their copy-outs in the outer graph. ``describe_buckets`` says what was chosen and why;
+a graph dump writes it at the end of ``schedule.txt``.
 
 [Note: bucketed copy-out]
 A group's gathered buffer is rank-major: ``[rank 0: p0 p1 ..., rank 1: p0 p1 ...]``,
@@ -26,17 +41,20 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
 
 from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 
-from ._graph import NodeInserter, c10d, fake_value, fsdp, op_argument, reorder_by_priority
+from ._graph import NodeInserter, c10d, cast_dtype, fake_value, fsdp, op_argument, reorder_by_priority
+from .cost_model import cost_profile, get_profile, group_ranks, latency_bound_bytes, profile_for_device
 from .patterns import chain_readers, copy_out_chain, match_copy_out, only_user
 from .settings import settings
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def _copy_out_split(all_gather: fx.Node) -> fx.Node | None:
@@ -71,27 +89,72 @@ def _bucket_key(all_gather: fx.Node) -> tuple:
 _CUSTOM_COMMS = ("all_gather_comm", "reduce_scatter_comm")
 
 
-def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
-    """Runs of all-gathers, in forward order, to merge; each run within ``cap_bytes``."""
+@dataclasses.dataclass(frozen=True)
+class BucketCap:
+    """The largest unsharded size a bucket of groups may reach, and where that size comes from."""
+
+    bytes: float
+    reason: str
+
+
+def bucket_cap(ranks: Sequence[int], profile_name: str, cap_mb: float | None = None) -> BucketCap:
+    """For a process group of these global ranks: ``cap_mb`` (default ``settings.bucket_cap_mb``), or the cost
+    model's ([Note: the cost model's buckets])."""
+    cap_mb = settings.bucket_cap_mb if cap_mb is None else cap_mb
+    if cap_mb is not None:
+        per_group = ": one collective per group" if cap_mb == 0 else ""
+        return BucketCap(cap_mb * 2**20, f"settings.bucket_cap_mb={cap_mb:g}{per_group}")
+    cap = latency_bound_bytes(get_profile(profile_name), len(ranks), ranks)
+    reason = f"below it a collective over {len(ranks)} ranks costs more latency than transfer on {profile_name}"
+    return BucketCap(cap, reason)
+
+
+def may_bucket(unsharded_bytes: int, ranks: Sequence[int], on_cuda: bool) -> bool:
+    """Whether a group of this size may share its collectives with a neighbour its own size (a repeated block):
+    then a trace keeps its copy-out in the outer graph, where this pass finds it ([Note: the cost model's
+    buckets]). Plain Python on the group's constants: Dynamo traces it."""
+    if not settings.bucket:
+        return False
+    return unsharded_bytes <= bucket_cap(ranks, profile_for_device(on_cuda)).bytes / 2
+
+
+def _gathered_bytes(all_gather: fx.Node) -> int:
+    return all_gather.meta["val"].untyped_storage().nbytes()
+
+
+def _cap_of(all_gather: fx.Node, profile_name: str, cap_mb: float | None) -> BucketCap:
+    world_size, group_name = all_gather.args[2:4]
+    ranks = group_ranks(group_name) or range(world_size)  # no live group (a hand-built graph): one node
+    return bucket_cap(ranks, profile_name, cap_mb)
+
+
+def _gathers_in_forward_order(graph: fx.Graph) -> list[fx.Node]:
+    """The annotated all-gathers the forward reads, in the order it first reads them."""
     position = {node: index for index, node in enumerate(graph.nodes)}
     gathers = [
         node
         for node in graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
         if group_annotation(node) is not None
     ]
-    per_group = Counter(group_annotation(node).name for node in gathers)
     ordered = sorted(
         ((reader, node) for node in gathers if (reader := _first_reader(node, position)) is not None),
         key=lambda reader_and_node: reader_and_node[0],
     )
+    return [node for _, node in ordered]
+
+
+def _plan(graph: fx.Graph, profile_name: str, cap_mb: float | None) -> list[list[fx.Node]]:
+    """Runs of all-gathers, in forward order, to merge; each run within its cap (``bucket_cap``)."""
+    gathers = _gathers_in_forward_order(graph)
+    per_group = Counter(group_annotation(node).name for node in gathers)
     runs, current = [], []
-    for _, node in ordered:
+    for node in gathers:
         mergeable = per_group[group_annotation(node).name] == 1 and _copy_out_split(node) is not None
         # A custom comm collects one group's buffers, as in FSDP2 ([Note: custom collectives] in compile_shard.ops).
         mergeable = mergeable and not any(op_argument(node, name) for name in _CUSTOM_COMMS)
-        size = node.meta["val"].untyped_storage().nbytes()
         fits = current and _bucket_key(current[0]) == _bucket_key(node)
-        fits = fits and sum(n.meta["val"].untyped_storage().nbytes() for n in current) + size <= cap_bytes
+        merged_bytes = sum(_gathered_bytes(n) for n in current) + _gathered_bytes(node)
+        fits = fits and merged_bytes <= _cap_of(node, profile_name, cap_mb).bytes
         if mergeable and fits:
             current.append(node)
             continue
@@ -99,6 +162,21 @@ def _plan(graph: fx.Graph, cap_bytes: float) -> list[list[fx.Node]]:
         current = [node] if mergeable else []
     runs.append(current)
     return [run for run in runs if len(run) > 1]
+
+
+def describe_buckets(graph: fx.Graph) -> str:
+    """What each forward all-gather of ``graph`` (after this pass) gathers, and the cap that decided it."""
+    profile_name = cost_profile(graph)
+    lines = []
+    for node in _gathers_in_forward_order(graph):
+        annotation = group_annotation(node)
+        cap = _cap_of(node, profile_name, None)
+        merged = f"{len(annotation.members)} groups" if len(annotation.members) > 1 else "alone"
+        lines.append(
+            f"{annotation.name}: {merged}, {_gathered_bytes(node) / 2**20:.3f} MiB unsharded; cap "
+            f"{cap.bytes / 2**20:.3f} MiB ({cap.reason})"
+        )
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def _bucket_annotation(nodes: list[fx.Node]) -> GroupAnnotation:
@@ -186,16 +264,38 @@ def _replicate_all_reduces(reductions: list[fx.Node]) -> list[fx.Node] | None:
     return all_reduces if len({tuple(node.args[1:]) for node in all_reduces}) == 1 else None
 
 
+def _reduction_inputs(reductions: list[fx.Node]) -> tuple[list[fx.Node], torch.dtype | None]:
+    """The gradients the reductions read, and the reduction dtype they are all cast to first, if they are.
+
+    [Note: a bucket's mixed-precision reduction]
+    Under ``MixedPrecisionPolicy(reduce_dtype=...)`` each group's reduce-scatter reads
+    its gradients cast to the reduction dtype ([Note: mixed-precision reduction] in
+    ``lower``). The bucket concatenates the gradients as computed and casts the
+    concatenation once, so that ``lower`` still finds the policy's gradient dtype in
+    the reduction input and casts while it lays the gradients out, as for one group.
+    """
+    inputs = [_reduce_scatter_args(node)[0] for node in reductions]
+    dtypes = {cast_dtype(node) for node in inputs}
+    if len(dtypes) == 1 and None not in dtypes:
+        return [node.args[0] for node in inputs], dtypes.pop()
+    return inputs, None
+
+
 def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: GroupAnnotation) -> None:
     position = {node: index for index, node in enumerate(graph.nodes)}
     last = max(reductions, key=position.__getitem__)
     _, world_size, group_name, reduce_op = _reduce_scatter_args(last)
     insert = NodeInserter(graph, last, last)
-    per_rank = [insert(aten.view.default, _reduce_scatter_args(node)[0], [world_size, -1]) for node in reductions]
+    gradients, reduce_dtype = _reduction_inputs(reductions)
+    per_rank = [insert(aten.view.default, gradient, [world_size, -1]) for gradient in gradients]
     concatenated = insert(aten.cat.default, per_rank, 1)
     flat = insert(aten.view.default, concatenated, [-1])
+    new_nodes = [*per_rank, concatenated, flat]
+    if reduce_dtype is not None:  # [Note: a bucket's mixed-precision reduction]
+        flat = insert(prims.convert_element_type.default, flat, reduce_dtype)
+        new_nodes.append(flat)
     merged = insert(fsdp.reduce_scatter_grad.default, flat, world_size, group_name, reduce_op)
-    new_nodes = [*per_rank, concatenated, flat, merged]
+    new_nodes.append(merged)
     replaced, erased = reductions, list(reductions)
     all_reduces = _replicate_all_reduces(reductions)
     if all_reduces is not None:  # [Note: bucketed HSDP all-reduce]
@@ -210,8 +310,12 @@ def _merge_reductions(graph: fx.Graph, reductions: list[fx.Node], annotation: Gr
         replacement = insert(operator.getitem, split, index)
         new_nodes.append(replacement)
         node.replace_all_uses_with(replacement)
+    casts = [_reduce_scatter_args(node)[0] for node in reductions] if reduce_dtype is not None else []
     for node in erased:  # erased only now, users first: ``last`` anchors the insertions above
         graph.erase_node(node)
+    for node in casts:  # each group's own cast, replaced by the bucket's
+        if not node.users:
+            graph.erase_node(node)
     _annotate(new_nodes, annotation)
 
 
@@ -231,20 +335,21 @@ def _reductions_of(graph: fx.Graph, gathers: list[fx.Node]) -> list[fx.Node] | N
 
 
 def bucket(graph: fx.Graph, cap_mb: float | None = None) -> int:
-    """Merges runs of adjacent groups within ``cap_mb`` MB (unsharded); returns how many collectives it removed.
+    """Merges runs of adjacent groups within their cap (``bucket_cap``); returns how many collectives it removed.
 
-    ``cap_mb`` defaults to ``settings.bucket_cap_mb``, whose default, ``None``, merges
-    nothing: one all-gather and one reduce-scatter per group, as in FSDP2.
+    ``cap_mb`` defaults to ``settings.bucket_cap_mb``; ``None`` there lets the cost model
+    choose ([Note: the cost model's buckets]), 0 merges nothing: one all-gather and
+    one reduce-scatter per group, as in FSDP2.
 
     A group whose gradients cannot be merged alike (no reduce-scatter in this graph,
     as in an inference trace, or different reduce settings) keeps its all-gather
     too, so forward and backward buckets always match.
     """
     cap_mb = settings.bucket_cap_mb if cap_mb is None else cap_mb
-    if not cap_mb:
+    if cap_mb == 0:
         return 0
     removed = 0
-    for gathers in _plan(graph, cap_mb * 2**20):
+    for gathers in _plan(graph, cost_profile(graph), cap_mb):
         reductions = _reductions_of(graph, gathers)
         has_backward = bool(graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default))
         if has_backward and reductions is None:

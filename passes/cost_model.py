@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from compile_shard._collectives import node_collective
 
 from ._graph import c10d, fsdp, invoke_subgraph, region_module
 from .patterns import waited_node
+from .settings import settings
 
 aten = torch.ops.aten
 
@@ -167,6 +169,20 @@ def get_profile(name: str) -> HardwareProfile:
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; known profiles: {', '.join(sorted(PROFILES))}")
     return PROFILES[name]
+
+
+def profile_for_device(on_cuda: bool) -> str:
+    """``settings.cost_profile``, or the profile for a graph on CUDA (an H100 node) or on the CPU (``cpu_gloo``)."""
+    if settings.cost_profile is not None:
+        return settings.cost_profile
+    return "h100_nvlink" if on_cuda else "cpu_gloo"
+
+
+def cost_profile(graph: fx.Graph) -> str:
+    """``profile_for_device`` for the device ``graph``'s inputs are on."""
+    # ``val`` in AOTAutograd's graphs, ``example_value`` in Dynamo's.
+    values = [node.meta.get("val", node.meta.get("example_value")) for node in graph.find_nodes(op="placeholder")]
+    return profile_for_device(any(isinstance(value, torch.Tensor) and value.is_cuda for value in values))
 
 
 # Sizes ---------------------------------------------------------------------------------
@@ -349,7 +365,7 @@ def _group_size(group_name: str) -> int | None:
         return None
 
 
-def _group_ranks(group_name: object) -> list[int] | None:
+def group_ranks(group_name: object) -> list[int] | None:
     """The global ranks of a live process group registered as ``group_name``, if there is one."""
     if not isinstance(group_name, str) or not dist.is_available() or not dist.is_initialized():
         return None
@@ -381,8 +397,19 @@ def collective_info(node: fx.Node, world_size: int | None = None) -> CollectiveI
             )
     # The first argument of fsdp.all_to_all_into_ / all_to_all_grads_ is their output, of the input's size.
     buffer = waited_node(node).meta.get("val") if kind == "all_gather" else node.args[0].meta.get("val")
-    ranks = None if found.group_arg is None else _group_ranks(node.args[found.group_arg])
+    ranks = None if found.group_arg is None else group_ranks(node.args[found.group_arg])
     return CollectiveInfo(kind, size, ranks, tensor_bytes(buffer), synchronous)
+
+
+def latency_bound_bytes(profile: HardwareProfile, world_size: int, ranks: Sequence[int] | None = None) -> float:
+    """The buffer size below which a ring collective over ``world_size`` ranks costs more latency than transfer.
+
+    A ring moves ``(W-1)/W * bytes`` at the bus bandwidth and waits ``W-1`` ring-step
+    latencies (``collective_seconds``); the two are equal at ``W * latency * bandwidth``
+    bytes. ``ranks`` (global) pick the slower link of a group that spans nodes.
+    """
+    bytes_per_s, latency_s = profile.link(None if ranks is None else list(ranks))
+    return world_size * latency_s * bytes_per_s
 
 
 def collective_seconds(node: fx.Node, profile: HardwareProfile, world_size: int | None = None) -> float:

@@ -166,6 +166,8 @@ class GraphDump:
         self.stages = 0
         self.partitioned: dict[str, torch.fx.Graph] = {}
         self._last_written: tuple[str, str] | None = None  # (file name, listing) of the last stage
+        #: ``bucket.describe_buckets`` of the joint graph, for the end of ``schedule.txt``.
+        self.buckets = ""
 
     @classmethod
     def start(cls) -> GraphDump | None:
@@ -200,6 +202,7 @@ class GraphDump:
         self.partitioned[kind] = graph
         graphs = [self.partitioned[name] for name in GRAPH_NAMES if name in self.partitioned]
         simulation = simulate_step(graphs, get_profile(profile_name))
-        (self.folder / "schedule.txt").write_text(schedule_table(simulation))
+        buckets = f"\nbuckets (each forward all-gather):\n{self.buckets}" if self.buckets else ""
+        (self.folder / "schedule.txt").write_text(schedule_table(simulation) + buckets)
         (self.folder / "timeline.svg").write_text(timeline_svg(simulation))
         (self.folder / "index.html").write_text(index_html(self.folder, profile_name))

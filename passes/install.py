@@ -52,10 +52,10 @@ from compile_shard._annotation import group_annotation
 from compile_shard.ops.rank_check import count_compiles
 
 from ._graph import fsdp, is_backward
-from .bucket import bucket
+from .bucket import bucket, describe_buckets
 from .compile_regions import compile_regions
 from .copy_out import copy_out
-from .cost_model import HardwareProfile, get_profile
+from .cost_model import HardwareProfile, cost_profile, get_profile
 from .dump import GraphDump, turn_off_caches_when_dumping_from_environment
 from .gather_buffers import gather_buffers
 from .graph_breaks import warn_if_partial
@@ -125,17 +125,9 @@ def run_suite(graph: fx.Graph) -> dict[str, int]:
         if getattr(settings, graph_pass.__name__):
             changes[graph_pass.__name__] = graph_pass(graph)
             _after(graph_pass, graph, dump)
+            if dump and graph_pass is bucket:
+                dump.buckets = describe_buckets(graph)
     return changes
-
-
-def cost_profile(graph: fx.Graph) -> str:
-    """``settings.cost_profile``, or the profile for the device the graph runs on."""
-    if settings.cost_profile is not None:
-        return settings.cost_profile
-    # ``val`` in AOTAutograd's graphs, ``example_value`` in Dynamo's.
-    values = [node.meta.get("val", node.meta.get("example_value")) for node in graph.find_nodes(op="placeholder")]
-    on_cuda = any(isinstance(value, torch.Tensor) and value.is_cuda for value in values)
-    return "h100_nvlink" if on_cuda else "cpu_gloo"
 
 
 def scheduled_depths(profile: HardwareProfile) -> tuple[int, int]:

@@ -39,9 +39,11 @@ class PassSettings:
     #: Save (not recompute) zero-dropout attention in checkpoint regions;
     #: see [Note: seeded ops under activation checkpointing].
     save_attention: bool = True
-    #: Merge adjacent groups' collectives up to ``bucket_cap_mb`` (unsharded MB).
+    #: Merge adjacent groups' collectives up to a cap in unsharded MB (``bucket_cap_mb``).
     bucket: bool = True
-    #: Bucket size cap in MB; ``None`` keeps one all-gather and one reduce-scatter per group (FSDP2).
+    #: Bucket size cap in MB; 0 keeps one all-gather and one reduce-scatter per group (FSDP2);
+    #: ``None``: the cost model's cap, under which a collective is latency-bound on the cost
+    #: profile ([Note: the cost model's buckets]).
     bucket_cap_mb: float | None = None
     #: Replace ``fsdp`` collectives with ``_c10d_functional`` collectives plus explicit copy-in.
     lower: bool = True
@@ -66,7 +68,7 @@ class PassSettings:
     profile_ranges: bool = True
     #: Peak-memory cap for a scheduled graph in MB; the prefetch depth is lowered to fit.
     memory_budget_mb: float | None = None
-    #: Hardware profile for the simulator (budget, dumps); ``None``: by the graph's device.
+    #: Hardware profile for the simulator (budget, dumps) and the default bucket cap; ``None``: by the graph's device.
     cost_profile: str | None = None
     #: Check the graph invariants after every pass (raises ``GraphInvariantError`` naming the pass).
     verify: bool = True

@@ -10,6 +10,7 @@ import torch._dynamo
 from torch._dynamo.utils import clear_compilation_metrics, counters
 
 from compile_shard._regions import registry
+from compile_shard.passes.settings import overridden
 
 
 @pytest.fixture
@@ -25,6 +26,18 @@ def fresh_dynamo():
     clear_compilation_metrics()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def per_group_collectives():
+    """FSDP2's one all-gather and one reduce-scatter per group (``bucket_cap_mb=0``) in this process.
+
+    For tests of the per-group graphs: by default the cost model would merge the
+    groups of their small models ([Note: the cost model's buckets] in passes.bucket).
+    A gloo rank is a process of its own and sets it itself.
+    """
+    with overridden(bucket_cap_mb=0):
+        yield
 
 
 # The slowest files on two cores, slowest first, as CI's --durations shows them.

@@ -60,7 +60,9 @@ def _is_compile_shards(module) -> bool:
     return isinstance(module, compile_shard.FSDPModule)
 
 
-def test_a_trainer_imported_before_the_block_shards_with_compile_shard(fresh_dynamo, trainer_modules):
+def test_a_trainer_imported_before_the_block_shards_with_compile_shard(
+    fresh_dynamo, per_group_collectives, trainer_modules
+):
     early, import_later = trainer_modules
     capture = CapturingBackend()
     with FakeProcessGroup(2):

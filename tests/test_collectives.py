@@ -1,5 +1,7 @@
 """Collectives per training step equal torch FSDP2's for the same wrapping, eager and compiled."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -8,6 +10,7 @@ from compile_shard import fully_shard
 from compile_shard.debug import CollectiveCounter
 from compile_shard.dry_run import capture_step
 from compile_shard.models import LlamaConfig
+from compile_shard.passes.cost_model import PROFILES, get_profile
 from dist_utils import FakeProcessGroup, build_sharded_llama, lm_loss
 from graph_utils import op_counts, pass_settings
 
@@ -41,7 +44,8 @@ def test_collectives_per_step_equal_torch_fsdp2(world_size, checkpoint_blocks, b
     assert ours == {"all_gather": groups + resharded_blocks + resharded_root, "reduce_scatter": groups}
 
 
-def _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard, bucket_cap_mb=None):
+def _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard, bucket_cap_mb=0):
+    """Collectives in the compiled step; ``bucket_cap_mb=0``: one per group, FSDP2's."""
     config = LlamaConfig(n_layers=3, checkpoint_blocks=checkpoint_blocks)
     model, _ = build_sharded_llama(config, block_reshard=block_reshard, root_reshard=root_reshard)
     tokens = torch.randint(0, config.vocab_size, (2, 9))
@@ -62,3 +66,19 @@ def test_compiled_collectives_per_step_equal_torch_fsdp2_and_fewer_with_buckets(
         bucketed = _compiled_step_counts(checkpoint_blocks, block_reshard, root_reshard, bucket_cap_mb=0.5)
     assert ours == theirs
     assert bucketed["all_gather"] < ours["all_gather"] and bucketed["reduce_scatter"] < ours["reduce_scatter"]
+
+
+def test_by_default_the_cost_model_buckets_small_blocks_and_keeps_fsdp2s_collectives_for_large_ones(monkeypatch):
+    """[Note: the cost model's buckets] on a compiled model: the trace and the pass agree on what may merge."""
+    no_latency = dataclasses.replace(get_profile("h100_nvlink"), name="no_latency", link_latency_s=0.0)
+    monkeypatch.setitem(PROFILES, "no_latency", no_latency)
+    with FakeProcessGroup(8):
+        theirs = _step_counts(torch_fully_shard, False, None, None)
+        chosen = _compiled_step_counts(False, None, None, bucket_cap_mb=None)
+        with pass_settings(cost_profile="no_latency"):  # nothing is latency-bound: every group is "large"
+            unbucketed = _compiled_step_counts(False, None, None, bucket_cap_mb=None)
+    # Three blocks of 0.19 MB, under the 2.6 MB below which a collective over 8 gloo ranks
+    # is latency-bound (cpu_gloo), share one bucket; the root keeps its parameters after
+    # forward (FSDP2's default) and gathers alone.
+    assert chosen == {"all_gather": 2 + 1, "reduce_scatter": 2}
+    assert unbucketed == theirs

@@ -33,7 +33,7 @@ def _region_calls(graph: torch.fx.Graph) -> int:
 N_LAYERS = 2
 GROUPS = N_LAYERS + 1
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "per_group_collectives")
 
 
 def _compile_and_step(
@@ -347,7 +347,7 @@ def test_each_block_is_gathered_prefetch_depth_blocks_ahead(settings_, prefetch_
         assert any(earlier < m < later for m in matmuls)
 
 
-def _inductor_code(bucket_cap_mb=None):
+def _inductor_code(bucket_cap_mb=0):
     from torch._inductor.utils import run_and_get_code
 
     # Depth 1 explicitly: on CPU (the cpu_gloo profile, no overlap) the default is 0.
@@ -372,7 +372,7 @@ _GATHER_OUT = re.compile(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)
     strict=True,
 )
 @pytest.mark.slow
-@pytest.mark.parametrize("bucket_cap_mb", [None, 1000.0], ids=["per_group", "bucketed"])
+@pytest.mark.parametrize("bucket_cap_mb", [0, 1000.0], ids=["per_group", "bucketed"])
 def test_inductor_emits_one_copy_out_kernel_per_gather_and_keeps_the_schedule(bucket_cap_mb):
     forward, backward = _inductor_code(bucket_cap_mb)
     calls = _calls(forward)

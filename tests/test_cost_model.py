@@ -19,6 +19,7 @@ from compile_shard.passes.cost_model import (
     compute_seconds,
     get_profile,
     is_view,
+    latency_bound_bytes,
     node_flops,
 )
 from compile_shard.passes.simulate import simulate, simulate_step
@@ -208,6 +209,25 @@ def test_a_group_that_spans_nodes_is_charged_the_network_between_them():
     assert all_reduce == pytest.approx(2 * (0.5 * 4096 / 45e9 + 20e-6))  # InfiniBand
     round_trip = HardwareProfile.from_json(json.loads(json.dumps(profile.to_json())))
     assert round_trip == profile
+
+
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_at_the_latency_bound_size_a_collective_spends_as_long_on_transfer_as_on_latency(world_size):
+    size = latency_bound_bytes(PROFILE, world_size)
+    assert size == pytest.approx(world_size * 1e-5 * 1e9)
+    shard_numel = int(size) // 4 // world_size
+    graph_module = trace(
+        lambda x: c10d.wait_tensor(c10d.all_gather_into_tensor(x, world_size, "0")), torch.randn(shard_numel)
+    )
+    latency = (world_size - 1) * 1e-5
+    seconds = collective_seconds(_node(graph_module, c10d.all_gather_into_tensor.default), PROFILE)
+    assert seconds == pytest.approx(2 * latency)
+
+
+def test_the_latency_bound_size_of_a_group_across_nodes_is_the_slower_network_s():
+    profile = get_profile("h100_nvlink_ib400")
+    assert latency_bound_bytes(profile, 8, range(8)) == pytest.approx(8 * 10e-6 * 370e9)
+    assert latency_bound_bytes(profile, 2, [0, 8]) == pytest.approx(2 * 20e-6 * 45e9)
 
 
 def test_all_to_all_moves_what_a_reduce_scatter_of_the_same_input_moves():

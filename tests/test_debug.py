@@ -65,6 +65,11 @@ def test_dump_graphs_writes_each_stage_and_the_schedule(tmp_path):
         ("backward", "reduce_scatter", "Sequential"),
         ("backward", "reduce_scatter", "0"),
     ]
+    # Then each forward all-gather's bucket and the cap that chose it: the root keeps its
+    # parameters after forward, so no block may share its all-gather.
+    buckets = schedule[schedule.index("buckets (each forward all-gather):") + 1 :]
+    assert [line.split(",")[0] for line in buckets] == ["0: alone", "Sequential: alone"]
+    assert all(line.endswith("costs more latency than transfer on cpu_gloo)") for line in buckets), buckets
     svg = (folder / "timeline.svg").read_text()
     assert svg.count("<rect") > 10 and ">Sequential</text>" in svg and ">0</text>" in svg
     page = (folder / "index.html").read_text()
@@ -119,7 +124,7 @@ def test_recompiles_counts_dynamo_recompilations():
 
 @pytest.mark.parametrize("compile_regions", [False, True], ids=["inlined", "regions"])
 def test_collective_counter_around_a_compiled_model_counts_without_changing_what_is_compiled(
-    fresh_dynamo, compile_regions
+    fresh_dynamo, per_group_collectives, compile_regions
 ):
     """The counter sees the compiled graphs' collectives; compiling inside it or after it is the same.
 

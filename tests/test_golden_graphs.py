@@ -1,7 +1,8 @@
 """Golden graphs: the joint graph before the suite and after each pass (the suite's
 own graph dump), and the final forward and backward graphs (default partitioner,
 then ``reorder``), for small models at fake world sizes 2 and 8, with resharding on
-and off and with cross-group bucketing off (FSDP2's one collective per group) and on.
+and off and with cross-group bucketing off (``bucket_cap_mb=0``: FSDP2's one collective
+per group, also where the default cap would merge these small models' groups) and on.
 
 A diff here is a review item: regenerate with ``EXPECTTEST_ACCEPT=1 python -m pytest
 tests/test_golden_graphs.py`` and explain the change in the commit message.
@@ -103,7 +104,7 @@ def _staged_graphs(
     world_size,
     reshard_after_forward,
     dump_dir,
-    bucket_cap_mb=None,
+    bucket_cap_mb=0,
     compile_regions=False,
     mesh_shape=None,
     mesh_dim_names=None,
@@ -171,7 +172,7 @@ def _assert_golden(name: str, actual: str) -> None:
 def test_golden_graphs(model, world_size, reshard_after_forward, bucketed, tmp_path):
     name = f"{model}_ws{world_size}_{'reshard' if reshard_after_forward else 'no_reshard'}"
     name += "_bucketed" if bucketed else ""
-    cap = BUCKET_CAP_MB[model] if bucketed else None
+    cap = BUCKET_CAP_MB[model] if bucketed else 0
     _assert_golden(name, _staged_graphs(MODELS[model], world_size, reshard_after_forward, tmp_path, cap))
 
 

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from compile_shard._collectives import node_collective
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import LlamaConfig
+from compile_shard.passes import settings
 from dist_utils import build_sharded_llama, global_batch, lm_loss, run_gloo
 
 MICRO_BATCHES = 4
@@ -95,6 +96,7 @@ def _compiled_worker(rank, world_size, keep_unsharded):
     (``set_reshard_after_backward(False)``), so the compiled step gathers each group
     once, in the first micro-batch's forward.
     """
+    settings.bucket_cap_mb = 0  # the reductions are counted per group, FSDP2's
     backward_reductions = []
 
     def forward_compiler(graph_module, example_inputs):

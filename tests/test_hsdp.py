@@ -59,6 +59,7 @@ def test_hsdp_matches_torch_fsdp2(shape, backends):
     run_gloo(_hsdp_worker, shape[0] * shape[1], shape, backends)
 
 
+@pytest.mark.usefixtures("per_group_collectives")
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4), (2, 1)], ids=["2x4", "4x4", "2x1_no_shard"])
 def test_compiled_hsdp_is_one_graph_each_way_with_an_all_reduce_per_reduction(shape):
     """A fake process group: torch FSDP2's collectives per step, the all-reduces in the backward graph, 20 steps.

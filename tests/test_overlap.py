@@ -50,9 +50,11 @@ def test_a_schedule_that_changes_a_joint_graph_pass_is_refused(monkeypatch):
         simulate_schedules(config, 2, 1, 8, "h100_ib400", ("suite", "buckets"))
 
 
-def test_hsdp_all_reduces_hide_behind_backward_except_the_last_two():
+def test_hsdp_all_reduces_hide_behind_backward_except_the_last_two(per_group_collectives):
     """HSDP on two nodes (h100_nvlink_ib400, a (2, 8) mesh of 16): each replicate all-reduce crosses InfiniBand
-    behind the next group's backward, except block 0's and the root's, which only the embedding's backward follows."""
+    behind the next group's backward, except block 0's and the root's, which only the embedding's backward follows.
+
+    One all-reduce per group: the cost model would put these two 12.6 MB blocks in one bucket."""
     config = LlamaConfig(dim=512, n_layers=2, n_heads=8, ffn_hidden=1408, max_seq_len=1024)
     reports = {
         report.schedule: report

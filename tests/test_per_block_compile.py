@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from compile_shard import fully_shard
 from compile_shard.debug import recompiles
 from compile_shard.models import Llama, LlamaConfig
-from compile_shard.passes import ShardedGraphBreakWarning
+from compile_shard.passes import ShardedGraphBreakWarning, settings
 from dist_utils import (
     assert_gradients_match,
     counted_step,
@@ -117,6 +117,7 @@ def test_compiling_the_whole_model_traces_blocks_compiled_on_their_own_into_its_
 def _root_compiled_before_fully_shard(rank: int, world_size: int) -> None:
     """The oracle runs uncompiled: compiled too, FSDP2's hooks break its graph in the loop over the blocks,
     and Dynamo then runs ``Llama.forward`` eagerly for both models, which share its code."""
+    settings.bucket_cap_mb = 0  # its all-gathers are counted against FSDP2's, one per group
     torch.manual_seed(0)
     ours = Llama(CONFIG)
     theirs = copy.deepcopy(ours)

@@ -116,6 +116,7 @@ def test_on_gloo_each_collective_runs_inside_its_groups_range():
     run_gloo(_gloo_ranges, 2)
 
 
+@pytest.mark.usefixtures("per_group_collectives")
 def test_a_compiled_step_runs_each_collective_inside_its_groups_range():
     with FakeProcessGroup(2):
         ranges = _profiled_compiled_step()

@@ -39,7 +39,7 @@ from test_compile import _compiled_matches_eager
 from test_parity import _reused_block_worker
 
 pytestmark = [
-    pytest.mark.usefixtures("fresh_dynamo"),
+    pytest.mark.usefixtures("fresh_dynamo", "per_group_collectives"),
 ]
 
 N_LAYERS = 3

@@ -1,5 +1,6 @@
 """bucket, reorder (schedule), keep_order, gather_buffers and the priority sort, on small hand-built graphs."""
 
+import dataclasses
 import importlib
 import operator
 from types import SimpleNamespace
@@ -19,12 +20,13 @@ from compile_shard.passes import (
     reorder,
     verify,
 )
-from compile_shard.passes.cost_model import get_profile
+from compile_shard.passes.bucket import describe_buckets, may_bucket
+from compile_shard.passes.cost_model import PROFILES, get_profile
 from compile_shard.passes.simulate import simulate
 from compile_shard.passes._graph import reorder_by_priority
 from compile_shard.passes.patterns import waited_node
 from dist_utils import FakeProcessGroup, run_gloo
-from graph_utils import c10d, fsdp, make_annotation, trace
+from graph_utils import c10d, fsdp, make_annotation, pass_settings, trace
 
 aten = torch.ops.aten
 WORLD, GROUP = 2, "0"
@@ -132,6 +134,53 @@ def test_bucket_does_nothing_without_a_cap_or_below_one_pair():
     assert graph_module.print_readable(print_output=False) == before
 
 
+def _profile_whose_latency_bound_size_is(monkeypatch, cap_bytes):
+    """A profile under which a collective over ``WORLD`` ranks is latency-bound below ``cap_bytes``."""
+    profile = dataclasses.replace(
+        get_profile("h100_nvlink"), name="cap_test", link_bytes_per_s=1e9, link_latency_s=cap_bytes / WORLD / 1e9
+    )
+    monkeypatch.setitem(PROFILES, "cap_test", profile)
+
+
+def test_the_cost_model_merges_groups_while_a_bucket_stays_latency_bound(monkeypatch):
+    """[Note: the cost model's buckets]: no cap set, the profile's latency-bound size decides, and says so."""
+    _profile_whose_latency_bound_size_is(monkeypatch, 2.5 * WORLD * NUMELS[0] * 4)
+    graph = _traced().graph
+    with pass_settings(cost_profile="cap_test", bucket_cap_mb=None):
+        assert bucket(graph) == 1  # a+b fit, c does not
+        lines = describe_buckets(graph).splitlines()
+    assert [line.split(",")[0] for line in lines] == ["a+b: 2 groups", "c: alone"]
+    assert all(line.endswith("costs more latency than transfer on cap_test)") for line in lines), lines
+    verify(graph)
+
+
+def test_the_cost_model_leaves_groups_too_large_to_share_a_latency_bound_bucket(monkeypatch):
+    _profile_whose_latency_bound_size_is(monkeypatch, 1.5 * WORLD * NUMELS[0] * 4)
+    graph_module = _traced()
+    before = graph_module.print_readable(print_output=False)
+    with pass_settings(cost_profile="cap_test", bucket_cap_mb=None):
+        assert bucket(graph_module.graph) == 0
+        lines = describe_buckets(graph_module.graph).splitlines()
+    assert graph_module.print_readable(print_output=False) == before
+    assert [line.split(",")[0] for line in lines] == ["a: alone", "b: alone", "c: alone"]
+
+
+def test_a_trace_leaves_the_copy_out_to_the_outer_graph_only_for_a_group_a_bucket_may_take(monkeypatch):
+    """``may_bucket``: room for a neighbour of its own size under the cap, set or the cost model's."""
+    _profile_whose_latency_bound_size_is(monkeypatch, 1000)
+    with pass_settings(cost_profile="cap_test", bucket_cap_mb=None):
+        assert may_bucket(500, range(WORLD), on_cuda=False)
+        assert not may_bucket(501, range(WORLD), on_cuda=False)
+        with pass_settings(bucket=False):
+            assert not may_bucket(1, range(WORLD), on_cuda=False)
+    with pass_settings(bucket_cap_mb=0):
+        assert not may_bucket(1, range(WORLD), on_cuda=False)
+    with pass_settings(bucket_cap_mb=1.0):
+        assert may_bucket(2**19, range(WORLD), on_cuda=False) and not may_bucket(2**19 + 1, range(WORLD), on_cuda=False)
+    # No profile set: an H100 node's NVLink takes buckets this machine's gloo does not.
+    assert may_bucket(10 * 2**20, range(8), on_cuda=True) and not may_bucket(10 * 2**20, range(8), on_cuda=False)
+
+
 def test_bucket_keeps_groups_with_different_resharding_apart():
     graph_module = trace(_three_layers, *_inputs())
     graph = graph_module.graph
@@ -224,6 +273,34 @@ def test_bucket_merges_the_matching_reduce_scatters():
     (reduction,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_grad.default)
     assert group_annotation(reduction).name == "a+b"
     assert reduction.meta["val"].shape == (2 * NUMELS[0],)
+    graph.lint()
+
+
+def _gather_and_reduce_in_fp32(s0, s1, g0, g1, x):
+    """``_gather_and_reduce`` under a reduce dtype: bf16 gradients, each cast to fp32 for its reduce-scatter."""
+    outputs = []
+    for shard in (s0, s1):
+        gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP)
+        (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+        outputs.append(x @ per_rank.reshape(-1, 4)[:5].t())
+    grads = [g.to(torch.bfloat16).reshape(-1) * 2 for g in (g1, g0)]
+    return outputs, [torch.ops.fsdp.reduce_scatter_grad(g.to(torch.float32), WORLD, GROUP, "avg") for g in grads]
+
+
+def test_a_bucket_casts_its_gradients_to_the_reduce_dtype_once_after_concatenating_them():
+    """[Note: a bucket's mixed-precision reduction]: lower lays out bf16 gradients and casts, as for one group."""
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
+    graph = trace(_gather_and_reduce_in_fp32, *inputs).graph
+    _annotate(graph, ["a", "b"])
+    _annotate_reductions(graph, ["b", "a"])
+    assert bucket(graph, cap_mb=1.0) == 2
+    casts = [node for node in graph.nodes if node.target is torch.ops.prims.convert_element_type.default]
+    assert [cast.args[1] for cast in casts] == [torch.float32]
+    assert casts[0].args[0].args[0].target is torch.ops.aten.cat.default
+    lower(graph)
+    (reduction_input,) = graph.find_nodes(op="call_function", target=fsdp.reduce_scatter_input.default)
+    assert {gradient.meta["val"].dtype for gradient in reduction_input.args[0]} == {torch.bfloat16}
+    assert reduction_input.args[2] == torch.float32
     graph.lint()
 
 
@@ -335,7 +412,6 @@ def test_schedule_with_depth_two_issues_two_groups_ahead_and_depth_zero_none():
 
 def test_memory_budget_lowers_the_prefetch_depth_until_the_peak_fits():
     from compile_shard.passes import reorder_within_budget
-    from compile_shard.passes.cost_model import get_profile
     from compile_shard.passes.simulate import simulate
 
     def peak(graph):

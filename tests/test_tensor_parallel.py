@@ -87,6 +87,7 @@ def test_tensor_parallel_fsdp_matches_torch_fsdp2(shape, backends, mp_policy):
     run_gloo(_parity_worker, math.prod(shape), shape, backends, mp_policy)
 
 
+@pytest.mark.usefixtures("per_group_collectives")
 @pytest.mark.parametrize("shape", [(2, 4), (4, 4)], ids=["2x4", "4x4"])
 def test_compiled_tensor_parallel_fsdp_is_one_graph_each_way(shape):
     """A fake process group: one graph each way holding FSDP's and TP's collectives (torch FSDP2's per step), no
