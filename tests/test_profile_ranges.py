@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from compile_shard import fully_shard
 from compile_shard._annotation import write_group_annotation
 from compile_shard.models import Llama, LlamaConfig
-from compile_shard.passes import profile_ranges
+from compile_shard.passes import profile_ranges, settings
 from dist_utils import FakeProcessGroup, run_gloo
 from graph_utils import c10d, fsdp, make_annotation, trace
 
@@ -97,7 +97,9 @@ def _profiled_compiled_step():
 
 
 def _gloo_ranges(rank, world_size):
-    """On gloo the collectives are compile_shard's in-place gloo ops."""
+    """On gloo the collectives are compile_shard's in-place gloo ops; one per group (the cost model would put
+    these small blocks in one bucket)."""
+    settings.bucket_cap_mb = 0
     ranges = _profiled_compiled_step()
     assert [name for name, _ in ranges] == [
         *(f"FSDP::all_gather ({g})" for g in ("Llama", "layers.0", "layers.1", "layers.1")),
