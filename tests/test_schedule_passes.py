@@ -231,15 +231,19 @@ def test_bucket_merges_mixed_precision_gathers_with_their_cast_and_keeps_other_w
     assert copy_ins[0].args[2] == torch.bfloat16
 
 
-def _gather_and_reduce(s0, s1, g0, g1, x):
-    """A forward's two gathers and a backward's two reduce-scatters, as in a joint graph."""
+def _two_gathers(s0, s1, x):
     outputs = []
     for shard in (s0, s1):
         gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP)
         (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
         outputs.append(x @ per_rank.reshape(-1, 4)[:5].t())
-    grads = [torch.ops.fsdp.reduce_scatter_grad(g.reshape(-1) * 2, WORLD, GROUP, "avg") for g in (g1, g0)]
-    return outputs, grads
+    return outputs
+
+
+def _gather_and_reduce(s0, s1, g0, g1, x):
+    """A forward's two gathers and a backward's two reduce-scatters, as in a joint graph."""
+    outputs = _two_gathers(s0, s1, x)
+    return outputs, [torch.ops.fsdp.reduce_scatter_grad(g.reshape(-1) * 2, WORLD, GROUP, "avg") for g in (g1, g0)]
 
 
 def _all_reduced(grads):
@@ -278,11 +282,7 @@ def test_bucket_merges_the_matching_reduce_scatters():
 
 def _gather_and_reduce_in_fp32(s0, s1, g0, g1, x):
     """``_gather_and_reduce`` under a reduce dtype: bf16 gradients, each cast to fp32 for its reduce-scatter."""
-    outputs = []
-    for shard in (s0, s1):
-        gathered = torch.ops.fsdp.all_gather_into([shard], NUMELS, WORLD, GROUP)
-        (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
-        outputs.append(x @ per_rank.reshape(-1, 4)[:5].t())
+    outputs = _two_gathers(s0, s1, x)
     grads = [g.to(torch.bfloat16).reshape(-1) * 2 for g in (g1, g0)]
     return outputs, [torch.ops.fsdp.reduce_scatter_grad(g.to(torch.float32), WORLD, GROUP, "avg") for g in grads]
 
