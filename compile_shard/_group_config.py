@@ -67,7 +67,7 @@ class ConfiguredGroup:
         # reduce-scatter is followed by an all-reduce over the replicate dimension's group.
         self.world_size = mesh.size(-1)
         self.group_name = mesh.get_group(mesh.ndim - 1).group_name
-        #: Its global ranks, for the cost model a trace asks (``passes.bucket.may_bucket``).
+        #: Its global ranks: ``set_separate_reduce_scatter_group`` makes one group per set of them.
         self.ranks = tuple(dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
         self.replicate_group_name = mesh.get_group(0).group_name if mesh.ndim == 2 else None
         self.data_parallel_size = mesh.size()
@@ -402,13 +402,6 @@ class ConfiguredGroup:
             reduce_scatter_unused_params=self.settings.reduce_scatter_unused_params,
             kept_after_backward=not self.settings.reshard_after_backward,
             **self._dtype_annotation(),
-        )
-
-    def gathered_bytes(self) -> int:
-        """What the group's all-gathers gather: every rank's padded shards, in each part's wire dtype."""
-        return sum(
-            sum(part.padded_numels) * self.world_size * dtype.itemsize
-            for part, dtype in zip(self.dtypes.all_gather_parts, self._wire_dtypes())
         )
 
     def _wire_dtypes(self) -> list[torch.dtype]:

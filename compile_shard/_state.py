@@ -19,7 +19,6 @@ from ._group import FSDPParamGroup, tensors_in
 from ._param import shared_between_groups, sharding_of
 from ._regions import accepts_region_call, count_writes, enters_gathered_as_views, runs_outside_regions
 from ._gc_during_compile import defer_full_collections_while_compiling
-from .passes.bucket import may_bucket
 from .passes.settings import settings
 
 
@@ -167,9 +166,8 @@ class FSDPState:
 
     def _gathers_for_region(self) -> bool:
         """Whether the root's traced unshard leaves this block's copy-out to its block ([Note: a region copies
-        out its block's parameters] in ``_regions._call``).
-
-        Not for a group ``passes.bucket`` may merge: it merges groups by their copy-outs in the graph.
+        out its block's parameters] in ``_regions._call``); ``passes.bucket`` may still merge its collectives
+        with its neighbours' ([Note: a bucket of regions' groups]).
         """
         group = self.group
         return (
@@ -180,7 +178,6 @@ class FSDPState:
             and group.settings.reshard_after_backward
             and group.kept_after_backward is None
             and not runs_outside_regions(self)
-            and not may_bucket(group.gathered_bytes(), group.ranks, on_cuda=group.mesh.device_type == "cuda")
         )
 
     def pre_forward(

@@ -14,12 +14,9 @@ collective's latency and costs less than that in transfer time that prefetch no
 longer hides, and a bucket holds no more memory than one collective that size
 moves: small by construction (with the profiles' constants, about 30 MB over 8 ranks
 of an H100 node, under 1 MB over 2 gloo ranks of ``cpu_gloo``), so groups of a large
-model keep FSDP2's collectives and a small model's groups share a few. A block's
-compile region copies out its own parameters only where its group is over half the
-cap, too large to share a bucket with a block like it ([Note: a region copies out its
-block's parameters] in compile_shard._regions._call), since a bucket merges groups by
-their copy-outs in the outer graph. ``describe_buckets`` says what was chosen and why;
-a graph dump writes it at the end of ``schedule.txt``.
+model keep FSDP2's collectives and a small model's groups share a few.
+``describe_buckets`` says what was chosen and why; a graph dump writes it at the end
+of ``schedule.txt``.
 
 [Note: bucketed copy-out]
 A group's gathered buffer is rank-major: ``[rank 0: p0 p1 ..., rank 1: p0 p1 ...]``,
@@ -34,6 +31,19 @@ concatenating the groups' gradients per rank (``cat`` on dim 1 of the
 one all-reduce of the bucket, [Note: bucketed HSDP all-reduce]). The merged
 nodes carry one annotation whose ``group`` is ``"A+B"`` and whose ``members``
 names the groups, so the later passes and the graph dumps treat a bucket as one group.
+
+[Note: a bucket of regions' groups]
+A block whose compile region copies out its own parameters ([Note: a region copies
+out its block's parameters] in compile_shard._regions._call) reads its group's
+all-gather output whole: the region takes it as an argument, and the ``fsdp.copy_out``
+that ``compile_regions`` gave the backward region reads it too. In a bucket, that
+group's columns of the merged buffer are one chunk of the split, a
+``[world_size, numel]`` block strided by the bucket's row; its contiguous copy,
+flattened, is the rank-major buffer the group's own all-gather gave, so it replaces
+that output for every reader, and the region keeps its body and its copy-out. The
+copy is one more pass over the group's bytes (``copy_out`` makes it part of the
+bucket's one ``fsdp.copy_out``), paid only where the cap lets groups merge: groups
+small enough that the collective's latency costs more.
 """
 
 from __future__ import annotations
@@ -48,8 +58,8 @@ import torch.fx as fx
 
 from compile_shard._annotation import GroupAnnotation, group_annotation, write_group_annotation
 
-from ._graph import NodeInserter, c10d, cast_dtype, fake_value, fsdp, op_argument, reorder_by_priority
-from .cost_model import cost_profile, get_profile, group_ranks, latency_bound_bytes, profile_for_device
+from ._graph import NodeInserter, c10d, cast_dtype, fake_value, fsdp, invoke_subgraph, op_argument, reorder_by_priority
+from .cost_model import cost_profile, get_profile, group_ranks, latency_bound_bytes
 from .patterns import chain_readers, copy_out_chain, match_copy_out, only_user
 from .settings import settings
 
@@ -61,6 +71,13 @@ def _copy_out_split(all_gather: fx.Node) -> fx.Node | None:
     """The ``split`` of the runtime's copy-out, where the copy-out is the all-gather output's only reader."""
     copy_out = match_copy_out(all_gather)
     return copy_out.split if copy_out is not None and len(all_gather.users) == 1 else None
+
+
+def _read_whole(all_gather: fx.Node) -> bool:
+    """Whether only block regions and ``fsdp.copy_out`` read the all-gather output, each all of it
+    ([Note: a bucket of regions' groups])."""
+    readers = all_gather.users
+    return bool(readers) and all(user.target in (invoke_subgraph, fsdp.copy_out.default) for user in readers)
 
 
 def _first_reader(all_gather: fx.Node, position: dict[fx.Node, int]) -> int | None:
@@ -109,15 +126,6 @@ def bucket_cap(ranks: Sequence[int], profile_name: str, cap_mb: float | None = N
     return BucketCap(cap, reason)
 
 
-def may_bucket(unsharded_bytes: int, ranks: Sequence[int], on_cuda: bool) -> bool:
-    """Whether a group of this size may share its collectives with a neighbour its own size (a repeated block):
-    then a trace keeps its copy-out in the outer graph, where this pass finds it ([Note: the cost model's
-    buckets]). Plain Python on the group's constants: Dynamo traces it."""
-    if not settings.bucket:
-        return False
-    return unsharded_bytes <= bucket_cap(ranks, profile_for_device(on_cuda)).bytes / 2
-
-
 def _gathered_bytes(all_gather: fx.Node) -> int:
     return all_gather.meta["val"].untyped_storage().nbytes()
 
@@ -149,7 +157,7 @@ def _plan(graph: fx.Graph, profile_name: str, cap_mb: float | None) -> list[list
     per_group = Counter(group_annotation(node).name for node in gathers)
     runs, current = [], []
     for node in gathers:
-        mergeable = per_group[group_annotation(node).name] == 1 and _copy_out_split(node) is not None
+        mergeable = per_group[group_annotation(node).name] == 1 and (_copy_out_split(node) is not None or _read_whole(node))
         # A custom comm collects one group's buffers, as in FSDP2 ([Note: custom collectives] in compile_shard.ops).
         mergeable = mergeable and not any(op_argument(node, name) for name in _CUSTOM_COMMS)
         fits = current and _bucket_key(current[0]) == _bucket_key(node)
@@ -211,10 +219,21 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnn
     options = {} if param_dtype is None else {"param_dtype": param_dtype}
     merged = insert(fsdp.all_gather_into.default, shards, padded_numels, world_size, group_name, **options)
     per_rank = insert(aten.view.default, merged, [world_size, -1])
-    split = insert(aten.split_with_sizes.default, per_rank, padded_numels, 1)
+    # A group read whole takes one chunk, the others one per parameter.
+    chunks = [[sum(node.args[1])] if _read_whole(node) else list(node.args[1]) for node in gathers]
+    split = insert(aten.split_with_sizes.default, per_rank, [numel for sizes in chunks for numel in sizes], 1)
     new_nodes, replaced = [merged, per_rank, split], []
     offset = 0
-    for node in gathers:
+    for node, sizes in zip(gathers, chunks):
+        if _read_whole(node):  # [Note: a bucket of regions' groups]
+            chunk = insert(operator.getitem, split, offset)
+            contiguous = insert(aten.clone.default, chunk, memory_format=torch.contiguous_format)
+            whole = insert(aten.view.default, contiguous, [-1])
+            new_nodes += [chunk, contiguous, whole]
+            node.replace_all_uses_with(whole)
+            offset += 1
+            replaced.append(node)
+            continue
         old_split = _copy_out_split(node)
         for getitem in old_split.users:
             replacement = insert(operator.getitem, split, offset + getitem.args[1])
@@ -229,7 +248,7 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnn
                     user.args = (contiguous, *user.args[1:])
                     user.target = aten._unsafe_view.default
                     user.meta["val"] = fake_value(user.target, user.args, user.kwargs)
-        offset += len(node.args[1])
+        offset += len(sizes)
         replaced += [*old_split.users, old_split, old_split.args[0], node]
     # Erased only now: ``first`` anchors the insertions above.
     for node in replaced:

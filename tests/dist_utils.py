@@ -25,7 +25,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from compile_shard import FSDPModule, fully_shard
 from compile_shard.debug import CollectiveCounter, recompiles
 from compile_shard.models import Llama, LlamaConfig, tensor_parallel_plan
-from compile_shard.passes import settings
 
 # [Note: ranks forked from a preloaded server]
 # Each rank of a gloo test is a fresh process, so no rank sees another test's Dynamo
@@ -137,12 +136,10 @@ def copy_out_in_regions(model: torch.nn.Module) -> torch.nn.Module:
     On gloo the runtime keeps the copy-out in the outer graph for the exchange in place
     ([Note: gloo exchange in place] in compile_shard.ops.transport); elsewhere a region
     copies out ([Note: a region copies out its block's parameters] in compile_shard._regions._call).
-    This runs the second path on gloo, the only real process group these tests have,
-    for groups too large to share a bucket: with ``settings.bucket_cap_mb=0`` in this
-    rank's process, since the cost model would let these small groups merge and keep
-    their copy-outs in the outer graph ([Note: the cost model's buckets] in passes.bucket).
+    This runs the second path on gloo, the only real process group these tests have;
+    the cost model may still merge these small groups' collectives ([Note: a bucket of
+    regions' groups] in passes.bucket).
     """
-    settings.bucket_cap_mb = 0
     for module in model.modules():
         if isinstance(module, FSDPModule) and (group := module._get_fsdp_state().group) is not None:
             group.copies_out_in_region = group.has_plain_copy_out

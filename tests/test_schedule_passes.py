@@ -20,7 +20,7 @@ from compile_shard.passes import (
     reorder,
     verify,
 )
-from compile_shard.passes.bucket import describe_buckets, may_bucket
+from compile_shard.passes.bucket import describe_buckets
 from compile_shard.passes.cost_model import PROFILES, get_profile
 from compile_shard.passes.simulate import simulate
 from compile_shard.passes._graph import reorder_by_priority
@@ -165,22 +165,6 @@ def test_the_cost_model_leaves_groups_too_large_to_share_a_latency_bound_bucket(
     assert [line.split(",")[0] for line in lines] == ["a: alone", "b: alone", "c: alone"]
 
 
-def test_a_trace_leaves_the_copy_out_to_the_outer_graph_only_for_a_group_a_bucket_may_take(monkeypatch):
-    """``may_bucket``: room for a neighbour of its own size under the cap, set or the cost model's."""
-    _profile_whose_latency_bound_size_is(monkeypatch, 1000)
-    with pass_settings(cost_profile="cap_test", bucket_cap_mb=None):
-        assert may_bucket(500, range(WORLD), on_cuda=False)
-        assert not may_bucket(501, range(WORLD), on_cuda=False)
-        with pass_settings(bucket=False):
-            assert not may_bucket(1, range(WORLD), on_cuda=False)
-    with pass_settings(bucket_cap_mb=0):
-        assert not may_bucket(1, range(WORLD), on_cuda=False)
-    with pass_settings(bucket_cap_mb=1.0):
-        assert may_bucket(2**19, range(WORLD), on_cuda=False) and not may_bucket(2**19 + 1, range(WORLD), on_cuda=False)
-    # No profile set: an H100 node's NVLink takes buckets this machine's gloo does not.
-    assert may_bucket(10 * 2**20, range(8), on_cuda=True) and not may_bucket(10 * 2**20, range(8), on_cuda=False)
-
-
 def test_bucket_keeps_groups_with_different_resharding_apart():
     graph_module = trace(_three_layers, *_inputs())
     graph = graph_module.graph
@@ -240,10 +224,31 @@ def _two_gathers(s0, s1, x):
     return outputs
 
 
+def _reduce(g0, g1):
+    """A backward's two reduce-scatters, in reverse group order."""
+    return [torch.ops.fsdp.reduce_scatter_grad(g.reshape(-1) * 2, WORLD, GROUP, "avg") for g in (g1, g0)]
+
+
 def _gather_and_reduce(s0, s1, g0, g1, x):
     """A forward's two gathers and a backward's two reduce-scatters, as in a joint graph."""
-    outputs = _two_gathers(s0, s1, x)
-    return outputs, [torch.ops.fsdp.reduce_scatter_grad(g.reshape(-1) * 2, WORLD, GROUP, "avg") for g in (g1, g0)]
+    return _two_gathers(s0, s1, x), _reduce(g0, g1)
+
+
+def _a_whole_read_then_a_copied_out_gather(s0, s1, x):
+    """The first group's output read whole, as a region's argument is, by ``fsdp.copy_out``; the second's
+    copied out in the graph."""
+    outputs = []
+    gathered = torch.ops.fsdp.all_gather_into([s0], NUMELS, WORLD, GROUP)
+    (padded,) = torch.ops.fsdp.copy_out(gathered, WORLD, NUMELS)
+    outputs.append(x @ padded.reshape(-1, 4)[:5].t())
+    gathered = torch.ops.fsdp.all_gather_into([s1], NUMELS, WORLD, GROUP)
+    (per_rank,) = gathered.view(WORLD, -1).split(NUMELS, dim=1)
+    outputs.append(x @ per_rank.reshape(-1, 4)[:5].t())
+    return outputs
+
+
+def _whole_read_gather_and_reduce(s0, s1, g0, g1, x):
+    return _a_whole_read_then_a_copied_out_gather(s0, s1, x), _reduce(g0, g1)
 
 
 def _all_reduced(grads):
@@ -304,6 +309,27 @@ def test_a_bucket_casts_its_gradients_to_the_reduce_dtype_once_after_concatenati
     graph.lint()
 
 
+def test_a_bucket_gives_a_group_read_whole_its_own_rank_major_buffer():
+    """[Note: a bucket of regions' groups]: the group's chunk of the merged split, copied contiguous and flat,
+    replaces its all-gather output; ``copy_out`` then copies the whole bucket out in one op."""
+    inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
+    graph = trace(_whole_read_gather_and_reduce, *inputs).graph
+    _annotate(graph, ["a", "b"])
+    _annotate_reductions(graph, ["b", "a"])
+    region_copy_out = graph.find_nodes(op="call_function", target=fsdp.copy_out.default)[0]
+    assert bucket(graph, cap_mb=1.0) == 2
+    (merged,) = graph.find_nodes(op="call_function", target=fsdp.all_gather_into.default)
+    whole = region_copy_out.args[0]
+    assert whole.target is aten.view.default and whole.meta["val"].shape == (WORLD * NUMELS[0],)
+    assert whole.args[0].target is aten.clone.default
+    (split,) = [node for node in graph.nodes if node.target is aten.split_with_sizes.default and node.args[2:] == (1,)]
+    assert split.args[0].args[0] is merged and list(split.args[1]) == NUMELS * 2
+    lower(graph)
+    copy_out(graph)
+    verify(graph)
+    graph.lint()
+
+
 def test_bucket_leaves_groups_whose_gradients_it_cannot_merge():
     inputs = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(2, 4)]
     graph_module = trace(_gather_and_reduce, *inputs)
@@ -348,25 +374,27 @@ def test_bucket_keeps_hsdp_all_reduces_apart_when_one_adds_a_partial_reduction_f
     assert len(graph.find_nodes(op="call_function", target=c10d.all_reduce.default)) == 2
 
 
-def _bucketed_graph_computes_the_same(rank, world_size, all_reduce):
+def _bucketed_graph_computes_the_same(rank, world_size, kind):
     inputs = [torch.full((3, 4), float(rank + 1)), torch.full((3, 4), 10.0 * (rank + 1))]
     gradient = torch.arange(24.0).view(6, 4) * (rank + 1)
     inputs += [gradient, -gradient, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
-    fn = _gather_reduce_and_all_reduce if all_reduce else _gather_and_reduce
+    fn = {"fsdp": _gather_and_reduce, "hsdp": _gather_reduce_and_all_reduce, "read_whole": _whole_read_gather_and_reduce}
+    fn = fn[kind]
     expected = fn(*inputs)
     graph_module = trace(fn, *inputs)
     _annotate(graph_module.graph, ["a", "b"])
     _annotate_reductions(graph_module.graph, ["b", "a"])
     _annotate_all_reduces(graph_module.graph)
     assert bucket(graph_module.graph, cap_mb=1.0) == 2
-    assert len(graph_module.graph.find_nodes(op="call_function", target=c10d.all_reduce.default)) == all_reduce
+    assert len(graph_module.graph.find_nodes(op="call_function", target=c10d.all_reduce.default)) == (kind == "hsdp")
     graph_module.recompile()
     torch.testing.assert_close(graph_module(*inputs), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("all_reduce", [False, True], ids=["fsdp", "hsdp"])
-def test_bucketed_graph_computes_what_separate_collectives_compute(all_reduce):
-    run_gloo(_bucketed_graph_computes_the_same, WORLD, all_reduce)
+@pytest.mark.parametrize("kind", ["fsdp", "hsdp", "read_whole"])
+def test_bucketed_graph_computes_what_separate_collectives_compute(kind):
+    """``read_whole``: one group read whole, as a region reads it ([Note: a bucket of regions' groups])."""
+    run_gloo(_bucketed_graph_computes_the_same, WORLD, kind)
 
 
 # reorder (schedule) ---------------------------------------------------------------
