@@ -459,6 +459,12 @@ def test_bucketed_regions_match_eager_on_gloo():
     run_gloo(_compiled_matches_eager, 3, "inductor", False, 1000.0, True, False, N_LAYERS)
 
 
+def test_bucketed_regions_that_copy_out_match_eager_on_gloo():
+    """One bucket for all blocks, each block's region copying out its own chunk of it ([Note: a bucket of
+    regions' groups]): two forward all-gathers, two reductions, parameters bitwise eager's (scheduled aot_eager)."""
+    run_gloo(_compiled_matches_eager, 3, "scheduled", False, 1000.0, True, True, N_LAYERS)
+
+
 def _reused_block_with_regions(rank, world_size):
     settings.compile_regions = True
     capture = CapturingBackend(min_cut=True)
