@@ -72,8 +72,8 @@ def _as_one_op(graph: fx.Graph, all_gather_output: fx.Node, copy_out: CopyOut) -
     clones = [copy.args[0] for copy in copy_out.copies]
     insert = NodeInserter(graph, copy_out.rank_major, clones[0])
     copied = insert(fsdp.copy_out.default, all_gather_output, int(world_size), [int(n) for n in padded_numels])
-    for index, copy in enumerate(copy_out.copies):
-        flat = insert(operator.getitem, copied, index)
+    for column, copy in zip(copy_out.columns, copy_out.copies):  # a column nobody reads has no ``getitem``
+        flat = insert(operator.getitem, copied, column.args[1])
         copy.replace_all_uses_with(insert(aten.view.default, flat, list(copy.meta["val"].shape)))
     for node in (*copy_out.copies, *clones, *copy_out.columns, copy_out.split, copy_out.rank_major):
         graph.erase_node(node)

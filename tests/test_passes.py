@@ -721,6 +721,28 @@ def test_copy_out_on_gloo_concatenates_the_flattened_rank_major_clones(monkeypat
     verify(graph_module.graph)
 
 
+def test_copy_out_reads_each_parameter_from_its_own_column_when_a_column_before_it_is_unread():
+    """An unused parameter's column has no reader (its copy was never traced, or was dead): the parameters
+    after it still read their own outputs of ``fsdp.copy_out``, which copies every column."""
+    from compile_shard.passes import copy_out
+
+    def fn(shard_w, shard_unused, shard_b, x):
+        gathered = torch.ops.fsdp.all_gather_into([shard_w, shard_unused, shard_b], [12, 4, 2], WORLD, GROUP)
+        per_rank_w, _, per_rank_b = gathered.view(WORLD, -1).split([12, 4, 2], dim=1)
+        return x @ per_rank_w.clone().view(-1, 4)[:5].t() + per_rank_b.clone().view(-1)[:3].sum()
+
+    graph_module = trace(fn, torch.randn(3, 4), torch.randn(4), torch.randn(2), torch.randn(3, 4))
+    graph_module.graph.eliminate_dead_code()  # the unused column's ``getitem``, as in AOTAutograd's graphs
+    annotate_group(graph_module.graph, "blocks.0", reshard_after_forward=True)
+    lower(graph_module.graph)
+    assert copy_out(graph_module.graph) == 1
+    (copied,) = graph_module.graph.find_nodes(op="call_function", target=fsdp.copy_out.default)
+    assert copied.args[2] == [12, 4, 2]
+    read = sorted((item.args[1], tuple(only_user(item).meta["val"].shape)) for item in copied.users)
+    assert read == [(0, (6, 4)), (2, (4,))]
+    verify(graph_module.graph)
+
+
 def test_copy_out_leaves_a_group_of_one_parameter_alone():
     from compile_shard.passes import copy_out
 
