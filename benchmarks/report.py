@@ -319,6 +319,11 @@ def _cold(mode: str) -> Callable[[dict], float]:
     return lambda data: data["medians"][mode]["cold_ratio"]
 
 
+def _cold_over(mode: str, against: str) -> Callable[[dict], float]:
+    """cold_start.py: a mode's first step over another mode's in the same run, medians of the rounds."""
+    return lambda data: data["medians"][mode]["cold_step_s"] / data["medians"][against]["cold_step_s"]
+
+
 def _capture(mode: str, per_added_block: bool) -> Callable[[dict], float]:
     """capture_time.py, the shallowest depth against the deepest: seconds per added block, or deepest over shallowest."""
 
@@ -367,6 +372,7 @@ FIGURES = {
     "config_A_ddp_bf16": Figure("config_A_W2_bf16", _train("cs_compiled", "ddp_compiled"), _times),
     "cold_step": Figure("cold_start_config_B", _cold("cs_compiled"), _times),
     "cold_step_floor": Figure("cold_start_config_B", _cold("unsharded_regions"), _times),
+    "cold_step_over_floor": Figure("cold_start_config_B", _cold_over("cs_compiled", "unsharded_regions"), _times),
     "restart_saved": Figure("cold_start_config_B_saved_step", _cold("cs_compiled_saved"), _times),
     "restart_torch_2_13": Figure("cold_start_config_B_warm", _cold("cs_compiled"), _times),
     "capture_per_block": Figure("capture_time_fake_ws8", _capture("regions", True), _seconds),
@@ -418,6 +424,11 @@ TARGETS = (
     Target("config A step against DDP compiled, fp32", "config_A_ddp_fp32", 1.0),
     Target("config A step against DDP compiled, bf16", "config_A_ddp_bf16", 1.0),
     Target("config B first step, compiling, against FSDP2 with per-block compile", "cold_step", 1.25),
+    Target(
+        "config B first step, compiling, against torch's own: the unsharded model with compile regions",
+        "cold_step_over_floor",
+        1.0,
+    ),
     Target(
         "config B first step of a restarted job that saved its step, against per-block compile's (torch 2.15)",
         "restart_saved",
