@@ -157,7 +157,8 @@ def _plan(graph: fx.Graph, profile_name: str, cap_mb: float | None) -> list[list
     per_group = Counter(group_annotation(node).name for node in gathers)
     runs, current = [], []
     for node in gathers:
-        mergeable = per_group[group_annotation(node).name] == 1 and (_copy_out_split(node) is not None or _read_whole(node))
+        copied_out = _copy_out_split(node) is not None or _read_whole(node)
+        mergeable = per_group[group_annotation(node).name] == 1 and copied_out
         # A custom comm collects one group's buffers, as in FSDP2 ([Note: custom collectives] in compile_shard.ops).
         mergeable = mergeable and not any(op_argument(node, name) for name in _CUSTOM_COMMS)
         fits = current and _bucket_key(current[0]) == _bucket_key(node)

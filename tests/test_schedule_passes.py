@@ -378,8 +378,11 @@ def _bucketed_graph_computes_the_same(rank, world_size, kind):
     inputs = [torch.full((3, 4), float(rank + 1)), torch.full((3, 4), 10.0 * (rank + 1))]
     gradient = torch.arange(24.0).view(6, 4) * (rank + 1)
     inputs += [gradient, -gradient, torch.randn(2, 4, generator=torch.Generator().manual_seed(0))]
-    fn = {"fsdp": _gather_and_reduce, "hsdp": _gather_reduce_and_all_reduce, "read_whole": _whole_read_gather_and_reduce}
-    fn = fn[kind]
+    fn = {
+        "fsdp": _gather_and_reduce,
+        "hsdp": _gather_reduce_and_all_reduce,
+        "read_whole": _whole_read_gather_and_reduce,
+    }[kind]
     expected = fn(*inputs)
     graph_module = trace(fn, *inputs)
     _annotate(graph_module.graph, ["a", "b"])
