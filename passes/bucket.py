@@ -221,17 +221,18 @@ def _merge_gathers(graph: fx.Graph, gathers: list[fx.Node], annotation: GroupAnn
     merged = insert(fsdp.all_gather_into.default, shards, padded_numels, world_size, group_name, **options)
     per_rank = insert(aten.view.default, merged, [world_size, -1])
     # A group read whole takes one chunk, the others one per parameter.
-    chunks = [[sum(node.args[1])] if _read_whole(node) else list(node.args[1]) for node in gathers]
+    read_whole = [_read_whole(node) for node in gathers]
+    chunks = [[sum(node.args[1])] if whole else list(node.args[1]) for node, whole in zip(gathers, read_whole)]
     split = insert(aten.split_with_sizes.default, per_rank, [numel for sizes in chunks for numel in sizes], 1)
     new_nodes, replaced = [merged, per_rank, split], []
     offset = 0
-    for node, sizes in zip(gathers, chunks):
-        if _read_whole(node):  # [Note: a bucket of regions' groups]
+    for node, sizes, whole in zip(gathers, chunks, read_whole):
+        if whole:  # [Note: a bucket of regions' groups]
             chunk = insert(operator.getitem, split, offset)
             contiguous = insert(aten.clone.default, chunk, memory_format=torch.contiguous_format)
-            whole = insert(aten.view.default, contiguous, [-1])
-            new_nodes += [chunk, contiguous, whole]
-            node.replace_all_uses_with(whole)
+            rank_major = insert(aten.view.default, contiguous, [-1])
+            new_nodes += [chunk, contiguous, rank_major]
+            node.replace_all_uses_with(rank_major)
             offset += 1
             replaced.append(node)
             continue

@@ -69,7 +69,8 @@ def test_compiled_collectives_per_step_equal_torch_fsdp2_and_fewer_with_buckets(
 
 
 def test_by_default_the_cost_model_buckets_small_blocks_and_keeps_fsdp2s_collectives_for_large_ones(monkeypatch):
-    """[Note: the cost model's buckets] on a compiled model: the trace and the pass agree on what may merge."""
+    """[Note: the cost model's buckets] on a compiled model whose blocks' regions copy out inside their bucket
+    ([Note: a bucket of regions' groups])."""
     no_latency = dataclasses.replace(get_profile("h100_nvlink"), name="no_latency", link_latency_s=0.0)
     monkeypatch.setitem(PROFILES, "no_latency", no_latency)
     with FakeProcessGroup(8):
