@@ -130,7 +130,7 @@ class FSDPModule(CountsWrites, FSDPModuleSettings, TorchFSDPModule):
         """
         state = self._get_fsdp_state()
         shown, args, kwargs = state.pre_forward(args, kwargs, requires_grad_noted)
-        if state.compiles_as_region(args, kwargs):
+        if state.compiles_as_region():
             output = call_in_region(cast(nn.Module, self), args, kwargs)
         elif compiling_gathered(state.group):
             output = call_copied_out(cast(nn.Module, self), args, kwargs)

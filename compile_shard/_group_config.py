@@ -374,7 +374,10 @@ class ConfiguredGroup:
                 grad_dtypes=part.grad_dtypes,
             )
             takes_gradients = any(requires_grad[index] for index in part.indices)
-            parts.append(PartSettings(takes_gradients, options, *options.positional()))
+            reads_shards = all(
+                requires_grad[index] and self.fsdp_params[index].compute_device is None for index in part.indices
+            )
+            parts.append(PartSettings(takes_gradients, reads_shards, options, *options.positional()))
         return GatherSettings(requires_grad, self.dtypes.all_gather_parts, tuple(parts))
 
     def set_gradient_reduction(self, divide_factor: float | None, force_sum: bool) -> None:

@@ -64,8 +64,11 @@ class GatheringGroup(ConfiguredGroup):
     def _all_gather_options(self, settings: PartSettings) -> tuple:
         """``fsdp::all_gather_into``'s optional arguments for this gathering, trailing defaults left out.
 
-        The settings' options with this step's accumulation in place (``GradientBuffers.take``).
+        The settings' options with this step's accumulation in place (``GradientBuffers.take``), where there is
+        any: without, a trace reads two attributes here, not the calls that would find nothing to take.
         """
+        if self.buffers.accumulated_grad is None and self.buffers.partial_reduce_output is None:
+            return settings.values[: settings.given]
         accumulation = self.buffers.take(torch.is_grad_enabled() and settings.takes_gradients)
         return ops.ReductionOptions.with_accumulation(settings.values, settings.given, *accumulation)
 
@@ -80,9 +83,12 @@ class GatheringGroup(ConfiguredGroup):
         """One all-gather per part, not copied out."""
         all_gather_outputs = []
         for part, part_settings in zip(settings.all_gather_parts, settings.parts):
-            shards = [
-                self.fsdp_params[index].all_gather_shard(settings.requires_grad[index]) for index in part.indices
-            ]
+            if part_settings.reads_shards:  # no call per parameter: each costs a trace an inlined frame
+                shards = [self.fsdp_params[index].shard for index in part.indices]
+            else:
+                shards = [
+                    self.fsdp_params[index].all_gather_shard(settings.requires_grad[index]) for index in part.indices
+                ]
             options = self._all_gather_options(part_settings)
             all_gather_outputs.append(
                 ops.all_gather_into(shards, part.padded_numels, self.world_size, self.group_name, *options)
@@ -253,31 +259,24 @@ class GatheringGroup(ConfiguredGroup):
         elif not keeps and kept is not None:
             self.kept_after_backward = None
 
-    def show_traced_unsharded_params(self) -> bool:
-        """Inside a trace: gathers and shows the group unless it is already shown."""
-        if self.shown_params[0] is not None:
-            return False
-        for slot, (fsdp_param, tensor) in enumerate(zip(self.fsdp_params, self.traced_unsharded_params())):
+    def show_traced_unsharded_params(self) -> None:
+        """Inside a trace: gathers and shows the group, which no one has gathered yet."""
+        for fsdp_param, tensor in zip(self.fsdp_params, self.traced_unsharded_params()):
             fsdp_param.show_unsharded(tensor)
-            # The compiled backward finds unused parameters itself (passes.unused_params): an eager
-            # watch, left by a gather whose backward never ran, must not judge its gradients.
-            self.use_flags[slot] = None
-        return True
+        # The compiled backward finds unused parameters itself (passes.unused_params): an eager watch, left
+        # by a gather whose backward never ran, must not judge its gradients. One write for the whole list.
+        self.use_flags[:] = [None] * len(self.use_flags)
 
     def owns(self, object_id: int) -> bool:
         """Whether ``object_id`` is this group or one of its lists of slots (``register_owned_state``)."""
         return object_id in (id(self), id(self.shown_params), id(self.use_flags))
 
-    def gather_traced(self) -> bool:
-        """Inside a trace: all-gathers the group unless already done, and leaves the copy-out to its block."""
-        if self.shown_params[0] is not None or self.traced_all_gather_outputs is not None:
-            return False
+    def gather_traced(self) -> None:
+        """Inside a trace: all-gathers the group, which no one has gathered yet; its block copies out."""
         settings = traced_settings(self, self.settings_version)
         with annotating_group(settings.annotation):
             self.traced_all_gather_outputs = self._all_gather_outputs(settings.gather)
-        for slot in range(len(self.fsdp_params)):
-            self.use_flags[slot] = None  # see show_traced_unsharded_params
-        return True
+        self.use_flags[:] = [None] * len(self.use_flags)  # as in show_traced_unsharded_params
 
     def copy_out_in_region(self, all_gather_outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The unsharded parameters a region copies out: one ``fsdp.copy_out`` per part, and views of its outputs."""

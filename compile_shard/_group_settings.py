@@ -166,6 +166,9 @@ class PartSettings(NamedTuple):
     """What one part's all-gather takes from the group's settings."""
 
     takes_gradients: bool
+    #: Whether the all-gather reads every parameter's ``shard`` as it is: each takes a gradient and none is kept in
+    #: CPU memory (``ShardMemory.all_gather_shard`` has the general case).
+    reads_shards: bool
     #: ``fsdp::all_gather_into``'s optional arguments from the settings; those that gradient
     #: accumulation changes from step to step at their defaults (``_all_gather_options``).
     options: ops.ReductionOptions

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map
 from ._classes import user_class_name
 from ._group import FSDPParamGroup, tensors_in
 from ._param import shared_between_groups, sharding_of
-from ._regions import accepts_region_call, count_writes, enters_gathered_as_views, runs_outside_regions
+from ._regions import count_writes, enters_gathered_as_views, runs_outside_regions
 from ._gc_during_compile import defer_full_collections_while_compiling
 from .passes.settings import settings
 
@@ -148,8 +148,9 @@ class FSDPState:
 
     # Around the module's forward -----------------------------------------------------
 
-    def compiles_as_region(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this trace runs the module's forward in its shared compile region."""
+    def compiles_as_region(self) -> bool:
+        """Whether this trace runs the module's forward in its shared compile region, where it takes the arguments
+        (``call_in_region``)."""
         return (
             settings.compile_regions
             and torch.compiler.is_compiling()
@@ -159,7 +160,6 @@ class FSDPState:
             # Over one rank nothing is gathered, and the unsharded parameters are views of
             # one tensor: a region refuses arguments that alias each other.
             and self.group.world_size > 1
-            and accepts_region_call(args, kwargs)
             and not runs_outside_regions(self)
             and not enters_gathered_as_views(self.module)
         )
@@ -198,19 +198,19 @@ class FSDPState:
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
+            # A block finds its group gathered by the root: the check comes before any other read.
             shown = []
             for state in self.subtree_states:
                 group = state.group
-                if group is None:
+                if group is None or group.shown_params[0] is not None or group.traced_all_gather_outputs is not None:
                     continue
                 if state._gathers_for_region():
-                    gathered = group.gather_traced()
+                    group.gather_traced()
                 else:
-                    gathered = group.show_traced_unsharded_params()
-                if gathered:
-                    shown.append(group)
-                    if not requires_grad_noted:
-                        group.guard_requires_grad()
+                    group.show_traced_unsharded_params()
+                shown.append(group)
+                if not requires_grad_noted:
+                    group.guard_requires_grad()
             return shown, args, kwargs
         if self.is_root:
             with torch.profiler.record_function("FSDP::root_pre_forward"):

@@ -134,7 +134,7 @@ def _is_chain_node(node: fx.Node) -> bool:
 def copy_out_chain(all_gather_output: fx.Node) -> list[fx.Node]:
     """``all_gather_output`` and the view/copy nodes that follow it: single-input ones, and a
     join of chain nodes only (``_JOINS``)."""
-    chain = [all_gather_output]
+    chain = {all_gather_output: None}  # a dict for its order and its lookups: a bucket's chain is long
     frontier = list(all_gather_output.users)
     while frontier:
         node = frontier.pop()
@@ -143,9 +143,9 @@ def copy_out_chain(all_gather_output: fx.Node) -> list[fx.Node]:
         joins_chain = node.target in _JOINS and all(producer in chain for producer in node.all_input_nodes)
         if not (joins_chain or _is_chain_node(node)):
             continue
-        chain.append(node)
+        chain[node] = None
         frontier.extend(node.users)
-    return chain
+    return list(chain)
 
 
 def chain_readers(chain: list[fx.Node]) -> list[fx.Node]:

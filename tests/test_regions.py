@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from compile_shard import RegionInlinedWarning, fully_shard
 from compile_shard._annotation import write_group_annotation
 from compile_shard._regions._attribute_writes import _OWNERS_ATTR
-from compile_shard._regions import _dynamo, accepts_region_call, block_signature
+from compile_shard._regions import _dynamo, block_signature, flat_arguments
 from compile_shard._regions._registry import RegionRegistry
 from compile_shard.debug import dump_graphs, recompiles
 from compile_shard.dry_run import capture_step
@@ -228,9 +228,45 @@ def test_a_dynamic_true_compile_and_structured_arguments_run_the_block_inlined()
         lm_loss(compiled, torch.randint(0, 1001, (2, 9))).backward()
     assert not _region_calls(capture.forward_graphs[0].graph)
     assert op_counts(capture.backward_graphs[0].graph)["all_gather"] == N_LAYERS
-    assert accepts_region_call((torch.ones(2), 3, None, (torch.ones(2), 1.0), []), {"scale": 0.5})
-    assert not accepts_region_call(([[torch.ones(2)]],), {})  # two levels deep
-    assert not accepts_region_call((), {"rope": {"cos": torch.ones(2)}})
+    assert flat_arguments([], (torch.ones(2), 3, None, (torch.ones(2), 1.0), []), {"scale": 0.5})[2]
+    assert not flat_arguments([], ([[torch.ones(2)]],), {})[2]  # two levels deep
+    assert not flat_arguments([], (), {"rope": {"cos": torch.ones(2)}})[2]
+
+
+class _DictionaryBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x, rope):
+        return self.linear(x) * rope["cos"]
+
+
+class _DictionaryModel(nn.Module):
+    """Blocks called with a dictionary, which a region's flat arguments cannot hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(_DictionaryBlock() for _ in range(3))
+
+    def forward(self, x):
+        x = self.proj(x)
+        rope = {"cos": x.new_ones(6)}
+        for block in self.blocks:
+            x = block(x, rope=rope)
+        return x
+
+
+def test_blocks_called_with_a_dictionary_run_inlined():
+    capture = CapturingBackend(min_cut=True)
+    with FakeProcessGroup(2), pass_settings(compile_regions=True):
+        model = _DictionaryModel()
+        _shard_blocks_and_root(model)
+        compiled = torch.compile(model, backend=capture.backend, fullgraph=True)
+        compiled(torch.randn(4, 6)).sum().backward()
+    assert not _region_calls(capture.forward_graphs[0].graph)
+    assert op_counts(capture.forward_graphs[0].graph)["all_gather"] == 4
 
 
 class _HalvingLlama(Llama):

@@ -36,7 +36,7 @@ The modules, each with one job:
 - ``_invoke_subgraph``: what compile_shard adds to torch's region operator.
 """
 
-from ._arguments import accepts_region_call
+from ._arguments import flat_arguments
 from ._attribute_writes import CountsWrites, count_writes
 from ._call import call_copied_out, call_in_region, compiling_gathered, enters_gathered_as_views, runs_outside_regions
 from ._first_block import RegionInlinedWarning
@@ -47,13 +47,13 @@ from ._signature import block_signature
 __all__ = [
     "CountsWrites",
     "RegionInlinedWarning",
-    "accepts_region_call",
     "block_signature",
     "call_copied_out",
     "call_in_region",
     "compiling_gathered",
     "count_writes",
     "enters_gathered_as_views",
+    "flat_arguments",
     "register_owned_state",
     "registry",
     "runs_outside_regions",

@@ -22,33 +22,31 @@ import torch
 
 from ._attribute_writes import PLAIN
 
+_ACCEPTED = (torch.Tensor, *PLAIN)
 
-def accepts_region_call(args: tuple, kwargs: dict) -> bool:
-    """Whether a region can take these arguments: tensors and plain values, and tuples and lists of those.
+
+def _flatten(values: list[Any]) -> tuple[str, list[Any], bool]:
+    """``values`` as leaves, a layout that rebuilds them (per value ``.``, a leaf, or ``t``/``l`` and a count), and
+    whether a region can take them: tensors and plain values, and tuples and lists of those.
 
     Anything else runs the block inlined: a deeper structure or an object (the layout
-    describes one level).
+    describes one level). Loops, not ``all()``: Dynamo traces this at every block, and a
+    generator costs it more.
     """
-    accepted = (torch.Tensor, *PLAIN)
-    for value in [*args, *kwargs.values()]:
-        # Loops, not ``all()``: Dynamo traces this at every block, and a generator costs it more.
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if not isinstance(item, accepted):
-                return False
-    return True
-
-
-def _flatten(values: list[Any]) -> tuple[str, list[Any]]:
-    """``values`` as leaves, and a layout that rebuilds them: per value ``.`` (a leaf) or ``t``/``l`` and a count."""
-    tokens, leaves = [], []
+    tokens, leaves, accepted = [], [], True
     for value in values:
         if isinstance(value, (tuple, list)):
             tokens.append(("t" if isinstance(value, tuple) else "l") + str(len(value)))
             leaves.extend(value)
+            for item in value:
+                if not isinstance(item, _ACCEPTED):
+                    accepted = False
         else:
             tokens.append(".")
             leaves.append(value)
-    return ",".join(tokens), leaves
+            if not isinstance(value, _ACCEPTED):
+                accepted = False
+    return ",".join(tokens), leaves, accepted
 
 
 def _unflatten(layout: str, leaves: tuple) -> tuple[list[Any], tuple]:
@@ -65,12 +63,14 @@ def _unflatten(layout: str, leaves: tuple) -> tuple[list[Any], tuple]:
     return values, leaves[at:]
 
 
-def flat_arguments(inputs: list[torch.Tensor], args: tuple, kwargs: dict) -> tuple[tuple, str]:
-    """A region call's flat arguments (``inputs``, then the call's) and the layout that rebuilds the call's."""
+def flat_arguments(inputs: list[torch.Tensor], args: tuple, kwargs: dict) -> tuple[tuple, str, bool]:
+    """A region call's flat arguments (``inputs``, then the call's), the layout that rebuilds the call's, and
+    whether a region can take them (``_flatten``)."""
     names = tuple(sorted(kwargs))
-    positional, arg_leaves = _flatten(list(args))
-    named, value_leaves = _flatten([kwargs[name] for name in names])
-    return (*inputs, *arg_leaves, *names, *value_leaves), f"{positional}|{named}"
+    positional, arg_leaves, args_accepted = _flatten(list(args))
+    named, value_leaves, values_accepted = _flatten([kwargs[name] for name in names])
+    flat = (*inputs, *arg_leaves, *names, *value_leaves)
+    return flat, f"{positional}|{named}", args_accepted and values_accepted
 
 
 def call_arguments(num_params: int, layout: str, flat: tuple) -> tuple[tuple, list, dict]:

@@ -163,8 +163,9 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Runs the sharded ``module``'s forward inside the shared region, during a trace.
 
     Or inlined: the first block of its key in this trace ([Note: the first block of
-    each key runs inlined] in ``_first_block``), or where one of its modules' numbers
-    has become symbolic ([Note: region keys are guarded] in ``_key``).
+    each key runs inlined] in ``_first_block``), where one of its modules' numbers
+    has become symbolic ([Note: region keys are guarded] in ``_key``), or where a region
+    cannot take its arguments (``flat_arguments``).
     """
     group = module._compile_shard_state.group
     all_gather_outputs = group.traced_all_gather_outputs
@@ -172,9 +173,9 @@ def call_in_region(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     # The region shows its arguments to the modules itself (``_run_block``), a
     # tensor-parallel parameter as a DTensor again: it takes the local tensors.
     inputs = all_gather_outputs if gathered else [fsdp_param.unsharded_local() for fsdp_param in group.fsdp_params]
-    flat, layout = flat_arguments(inputs, args, kwargs)
+    flat, layout, accepted = flat_arguments(inputs, args, kwargs)
     writes = writes_so_far()
-    key, first = claim_key(module, writes, layout, flat)
+    key, first = claim_key(module, writes, layout, flat) if accepted else (None, False)
     if key is None:
         return call_copied_out(module, args, kwargs) if gathered else module._user_forward(*args, **kwargs)
     if not first:
@@ -219,7 +220,7 @@ def call_copied_out(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     group = module._compile_shard_state.group
     all_gather_outputs = group.traced_all_gather_outputs
     if _dynamo.traces_inside_another_op():
-        flat, layout = flat_arguments(all_gather_outputs, args, kwargs)
+        flat, layout, _ = flat_arguments(all_gather_outputs, args, kwargs)
         key = _dynamo.at_trace_time(_fresh_key, ())
         return _block_region(module, key, len(all_gather_outputs), True, layout, *flat)
     group.copy_out_traced(all_gather_outputs)
