@@ -128,12 +128,13 @@ class FSDPModule(CountsWrites, FSDPModuleSettings, TorchFSDPModule):
         through a module static, where a recompile would make those of an argument's
         symbolic (automatic dynamic). ``requires_grad_noted``: see ``FSDPState.pre_forward``.
         """
-        state = self._get_fsdp_state()
+        # Plain reads, no ``_get_fsdp_state()`` or ``cast``: each call costs Dynamo an inlined frame at every block.
+        state = self.__dict__[STATE_ATTR]
         shown, args, kwargs = state.pre_forward(args, kwargs, requires_grad_noted)
         if state.compiles_as_region():
-            output = call_in_region(cast(nn.Module, self), args, kwargs)
+            output = call_in_region(self, args, kwargs)  # type: ignore[arg-type]
         elif compiling_gathered(state.group):
-            output = call_copied_out(cast(nn.Module, self), args, kwargs)
+            output = call_copied_out(self, args, kwargs)  # type: ignore[arg-type]
         else:
             output = self._user_forward(*args, **kwargs)
         return state.post_forward(output, shown)

@@ -297,8 +297,17 @@ class GatheringGroup(ConfiguredGroup):
         return tensors
 
     def hide_traced_unsharded_params(self) -> None:
-        self.shown_params[:] = [None] * len(self.shown_params)
-        self.traced_all_gather_outputs = None
+        """Inside a trace: ends what ``show_traced_unsharded_params`` or ``gather_traced`` began.
+
+        Each write only where there is something to undo: Dynamo replays every object a
+        trace wrote after each call of its graph, and formats a stack for each at compile
+        time, a cost per group of every trace (a group its region copied out shows nothing
+        in this trace).
+        """
+        if self.shown_params[0] is not None:
+            self.shown_params[:] = [None] * len(self.shown_params)
+        if self.traced_all_gather_outputs is not None:
+            self.traced_all_gather_outputs = None
 
     def _watch_use(self, tensors: list[torch.Tensor]) -> None:
         """Watches each unsharded parameter for whether backward reaches it ([Note: unused parameters] in

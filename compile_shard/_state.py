@@ -47,6 +47,9 @@ class FSDPState:
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
+        # FSDP2's ``cast_forward_inputs``: floating-point inputs cast to ``param_dtype`` (where set) before the
+        # unshard. Read inline, not through a method: a trace pays an inlined frame per call, at every block.
+        self.forward_input_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self.is_root = True
         self.lazy_initialized = False  # whether the root's first forward ran FSDP2's lazy-init steps
         # FSDP2's set_manual_backward_finalization ([Note: manual backward finalization] in _group_config).
@@ -194,7 +197,8 @@ class FSDPState:
                 defer_full_collections_while_compiling()  # [Note: full collections during a compile]
                 _validate_compilable(self)
             _validate_devices(self)
-        args, kwargs = self._cast_forward_inputs(args, kwargs)
+        if self.forward_input_dtype is not None:  # FSDP2's cast_forward_inputs, before the unshard
+            args, kwargs = _cast_floating_tensors(self.forward_input_dtype, (args, kwargs))
         if torch.compiler.is_compiling():
             # [Note: traced unshard]: the outermost sharded module gathers its whole
             # subtree, so that nothing is written inside a checkpoint region below it.
@@ -229,19 +233,9 @@ class FSDPState:
             output = self.group.post_forward(output)
         if self.is_root and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             self._register_root_pre_backward(output)
-        return self._cast_output(output)
-
-    def _cast_forward_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """FSDP2's ``cast_forward_inputs``: floating-point inputs to ``param_dtype``, before the unshard."""
-        if not (self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype):
-            return args, kwargs
-        return _cast_floating_tensors(self.mp_policy.param_dtype, (args, kwargs))
-
-    def _cast_output(self, output: Any) -> Any:
-        """FSDP2's ``output_dtype``: floating-point outputs cast last, after the backward hooks."""
         if self.mp_policy.output_dtype is None:
             return output
-        return _cast_floating_tensors(self.mp_policy.output_dtype, output)
+        return _cast_floating_tensors(self.mp_policy.output_dtype, output)  # FSDP2's output_dtype: cast last
 
     def _register_root_pre_backward(self, output: Any) -> None:
         def hook(grad: torch.Tensor) -> torch.Tensor:
