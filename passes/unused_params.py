@@ -17,7 +17,8 @@ and the reduction gives it a zero gradient. Both paths then withhold that gradie
   parameter and ``set_reduce_scatter_unused_params(True)``.
 - compiled: autograd fills an unused parameter's part of the reduction input with a
   ``zeros`` node of the rank-major piece's shape (of the parameter's, in the
-  ``fsdp.reduce_scatter_input`` of ``fsdp.as_gathered``'s backward), which no used
+  ``fsdp.reduce_scatter_input`` of ``fsdp.as_gathered``'s backward, and of its
+  ``fsdp.copy_out`` output, in a region's backward), which no used
   gradient is. This pass finds such pieces and returns ``None`` as that parameter's
   gradient, so AOTAutograd's backward gives it none. Ranks whose graphs use different parameters
   are not detected here: as in FSDP2, they need ``set_reduce_scatter_unused_params(True)``.
@@ -55,11 +56,12 @@ def _pieces(unsharded_grad: fx.Node) -> list[tuple[fx.Node, int]] | None:
 
     Autograd's spelling of the input (the ``[world_size, padded_numel]`` pieces a ``cat``
     joins), or ``fsdp.reduce_scatter_input`` of the unsharded gradients, as
-    ``fsdp.as_gathered``'s backward spells it.
+    ``fsdp.as_gathered``'s backward and, inside a region, ``fsdp.copy_out``'s spell it.
     """
     node = unsharded_grad
     while node.op == "call_function" and (cast_dtype(node) is not None or node.target is aten.mul.Tensor):
         node = node.args[0]  # the mixed-precision cast, the pre-multiplication
+    node = _region_output(node)
     if node.target is fsdp.reduce_scatter_input.default:
         gradients, world_size = node.args[:2]
         shapes = [gradient.meta["val"].shape for gradient in gradients]
@@ -67,7 +69,6 @@ def _pieces(unsharded_grad: fx.Node) -> list[tuple[fx.Node, int]] | None:
             (gradient, padded_rows(shape[0], world_size) * shape[1:].numel())
             for gradient, shape in zip(gradients, shapes)
         ]
-    node = _region_output(node)
     if node.target not in VIEWS or node.meta["val"].dim() != 1:
         return None
     concatenated = node.args[0]

@@ -620,14 +620,21 @@ def _copy_out_setup_context(ctx, inputs, output) -> None:
 
 @autograd("copy_out", setup_context=_copy_out_setup_context)
 def _copy_out_backward(ctx, grads):
-    """The gradients laid out rank-major again; a parameter without one gives zeros (``passes.unused_params``)."""
-    columns = [
-        torch.zeros(ctx.world_size, numel, dtype=ctx.dtype, device=ctx.device)
-        if grad is None
-        else grad.view(ctx.world_size, numel)
+    """The gradients laid out rank-major again; a parameter without one gives zeros (``passes.unused_params``).
+
+    As one ``fsdp.reduce_scatter_input``, the reduction input's own op ([Note: one
+    reduction input per group] in ``compile_shard.ops.reduce_scatter``): this backward
+    runs inside a region's backward, where the ``lower`` pass does not replace a ``cat``,
+    and Inductor fused its pieces into the gradient kernels there (a kernel variant more
+    than the unsharded model's; docs/benchmarks.md, "The cold step"). Each gradient is
+    ``world_size`` chunks of its padded numel, so chunking it by rank lays it out as the
+    copy-out read it.
+    """
+    flat = [
+        torch.zeros(ctx.world_size * numel, dtype=ctx.dtype, device=ctx.device) if grad is None else grad
         for grad, numel in zip(grads, ctx.padded_numels)
     ]
-    return torch.cat(columns, dim=1).view(-1), None, None
+    return torch.ops.fsdp.reduce_scatter_input.default(flat, ctx.world_size), None, None
 
 
 # all_gather_send_recv_ ---------------------------------------------------------------
