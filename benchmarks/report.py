@@ -378,14 +378,8 @@ FIGURES = {
     "capture_per_block": Figure("capture_time_fake_ws8", _capture("regions", True), _seconds),
     "capture_per_block_floor": Figure("capture_time_fake_ws8", _capture("unsharded_regions", True), _seconds),
     "capture_depth": Figure("capture_time_fake_ws8", _capture("regions", False), _times),
-    "capture_per_block_now": Figure(
-        "capture_time_fake_ws8_against_c895265", _capture("regions", True), _seconds
-    ),
     "capture_per_block_before": Figure(
-        "capture_time_fake_ws8_against_c895265", _capture("regions at c895265", True), _seconds
-    ),
-    "capture_per_block_floor_now": Figure(
-        "capture_time_fake_ws8_against_c895265", _capture("unsharded_regions", True), _seconds
+        "capture_time_fake_ws8", _capture("regions at f484bc9", True), _seconds
     ),
     "step_fp32_torch_2_15": Figure("config_B_W2_fp32_torch215", _train("cs_compiled"), _times),
 }
