@@ -38,10 +38,14 @@ def _final_checkpoint(folder, flags) -> dict:
     return torch.load(folder / api / str(FIRST_STEPS + RESUMED_STEPS) / "model_state_dict.pt", weights_only=True)
 
 
+# The quick tier runs the bf16 recipe with explicit prefetching; the DCP variant is slow-tier
+# (tests/test_checkpointing.py checks DCP against torch's FSDP2 in the quick tier).
 @pytest.mark.parametrize(
     "flags",
-    [("--mixed-precision", "--explicit-prefetching"), ("--dcp-api",)],
-    ids=["bf16_prefetch_dtensor_api", "fp32_dcp_api"],
+    [
+        pytest.param(("--mixed-precision", "--explicit-prefetching"), id="bf16_prefetch_dtensor_api"),
+        pytest.param(("--dcp-api",), id="fp32_dcp_api", marks=pytest.mark.slow),
+    ],
 )
 def test_eager_tutorial_is_torch_fsdp2_bitwise(tmp_path, flags):
     if "--dcp-api" in flags:
