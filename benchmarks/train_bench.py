@@ -4,6 +4,7 @@
     python benchmarks/train_bench.py --config A --world-size 4
     python benchmarks/train_bench.py --config smoke --modes cs_eager,fsdp2_eager,reference --json out.json
     python benchmarks/train_bench.py --config B --modes cs_compiled,fsdp2_eager --against c895265
+    python benchmarks/train_bench.py --config B --modes cs_compiled,floor --rounds 3  # alternated
     python benchmarks/train_bench.py --config B --device cuda          # one GPU, fake process group of 8 ranks
     python benchmarks/train_bench.py --config smoke --device cpu --fake-world-size 8
     torchrun --nproc-per-node 2 benchmarks/train_bench.py --config A
@@ -41,7 +42,9 @@ Measured per mode (docs/benchmarks.md explains each method):
 
 - Step times: the cold first step (compilation included), then the median and minimum
   of the timed steps after warm-up. Every step starts after a barrier; a step's time is
-  its slowest rank's.
+  its slowest rank's. With ``--rounds N`` the modes run N times, alternating, and each
+  mode's timed steps are pooled (its cold step: the median of its rounds', each from an
+  empty Inductor cache; its memory: the largest round's).
 - Memory: glibc's ``M_MMAP_THRESHOLD`` is fixed with ``mallopt`` at process start, so
   freed large tensors go back to the OS and the resident set follows live tensors.
   ``peak``: the peak RSS of the whole run (``ru_maxrss``, compilation included) minus
@@ -111,7 +114,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -818,6 +821,38 @@ def _merge_ranks(plan: Plan, per_rank: list[dict], mallopt_applied: bool) -> dic
     }
 
 
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One mode's result over ``--rounds``: the timed steps of every round pooled, the median cold step, the peaks.
+
+    This machine's speed drifts by tens of percent between one mode's minutes and the
+    next mode's; rounds that alternate the modes spread each mode over the same stretch
+    of time, so that the ratios between modes hold. Everything but the times and the
+    memory peaks is the first round's.
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    steps = [step for result in rounds for step in result["step_times_s"]]
+    median = statistics.median(steps)
+    merged = {
+        **rounds[0],
+        "rounds": len(rounds),
+        "cold_step_s": statistics.median(result["cold_step_s"] for result in rounds),
+        "median_step_s": median,
+        "min_step_s": min(steps),
+        "step_times_s": steps,
+        "peak_memory_mb": _largest_per_rank(result["peak_memory_mb"] for result in rounds),
+        "step_peak_memory_mb": _largest_per_rank(result["step_peak_memory_mb"] for result in rounds),
+    }
+    if merged["simulated_comm_s"] is not None:
+        merged["projected_step_s"] = median + merged["simulated_comm_s"]
+    return merged
+
+
+def _largest_per_rank(per_round: Iterable[list[float | None]]) -> list[float | None]:
+    """Each rank's largest figure over the rounds; ``None`` where a round could not measure it."""
+    return [None if None in column else max(column) for column in zip(*per_round)]
+
+
 def _init_process_group(plan: Plan, rank: int) -> dist.Store | None:
     """Joins this mode's process group and returns its store; ``None`` for the modes that run alone."""
     if plan.device == "cuda":
@@ -1015,7 +1050,9 @@ def _describe(report: dict) -> str:
         f"ffn {c['ffn_hidden']}, vocab {c['vocab_size']} ({report['parameters'] / 1e6:.2f}M params), seq {c['seq']}, "
         f"batch {c['batch_per_rank']}/rank; W={report['world_size']} {group} on {report['device']}, "
         f"backend {report['backend']}, {report['threads_per_process']} thread(s)/process; "
-        f"{c['warmup']} warm-up + {c['steps']} timed steps; times: slowest rank; (x): ratio to {BASELINE_MODE}"
+        f"{c['warmup']} warm-up + {c['steps']} timed steps"
+        + (f" in each of {report['rounds']} alternated rounds, pooled" if report["rounds"] > 1 else "")
+        + f"; times: slowest rank; (x): ratio to {BASELINE_MODE}"
         + (f"; vs floor: median step over {FLOOR_MODE}'s" if FLOOR_MODE in report["modes"] else "")
         + ("" if report["reshard_after_forward"] else "; FSDP blocks not resharded after forward")
         + ("; bf16 parameters and compute, fp32 reductions (--mp bf16)" if report["mixed_precision"] == "bf16" else "")
@@ -1089,6 +1126,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
         action="store_false",
         help="CPU: leave glibc's mmap threshold adaptive (time steps as a user's process runs them; memory figures "
         "then include freed heap memory)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_at_least(1),
+        default=1,
+        help="run the modes this many times, alternating them; each mode's steps pooled over the rounds (default 1)",
     )
     parser.add_argument("--json", type=Path, help="write the full report here")
     parser.add_argument(
@@ -1168,6 +1211,7 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "mixed_precision": args.mp,
         "fixed_mmap_threshold": args.fixed_mmap_threshold,
         "threads_per_process": threads,
+        "rounds": args.rounds,
         "torch": torch.__version__,
         # False: every compiled mode inlines its blocks, cs_compiled as cs_compiled_inlined.
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
@@ -1177,11 +1221,11 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
 
 
 def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, threads: int) -> dict[str, dict | None]:
-    """Each selected mode in fresh processes, one after the other; results on the printing process."""
+    """Each selected mode in fresh processes, one after the other, ``--rounds`` times; results on the printing process."""
     torchrun = _under_torchrun()
-    results = {}
+    rounds: dict[str, list[dict | None]] = {}
     with tempfile.TemporaryDirectory(prefix="train_bench_") as scratch, checkout(args.against) as other:
-        for name in args.modes.split(","):
+        for name in args.modes.split(",") * args.rounds:
             plan = Plan(
                 mode=name,
                 config=config,
@@ -1198,12 +1242,14 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
                 fixed_mmap_threshold=args.fixed_mmap_threshold,
             )
             start = time.perf_counter()
-            results[name] = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)
-            if results[name] is not None:
+            result = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)
+            rounds.setdefault(name, []).append(result)
+            if result is not None:
                 print(f"train_bench: {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             if other is not None:
-                results[named(name, args.against)] = _run_at(other, args, name, Path(scratch) / "against.json")
-    return results
+                against = _run_at(other, args, name, Path(scratch) / "against.json")
+                rounds.setdefault(named(name, args.against), []).append(against)
+    return {name: None if None in results else _merge_rounds(results) for name, results in rounds.items()}
 
 
 def options_passed_on(argv: list[str]) -> list[str]:
@@ -1211,7 +1257,7 @@ def options_passed_on(argv: list[str]) -> list[str]:
     passed_on, skip = [], False
     for argument in argv:
         option = argument.split("=")[0]
-        if skip or option in ("--modes", "--json", "--against"):
+        if skip or option in ("--modes", "--json", "--against", "--rounds"):
             skip = not skip and "=" not in argument
             continue
         passed_on.append(argument)

@@ -356,5 +356,22 @@ def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(ar
 def test_a_run_against_another_commit_passes_on_every_option_but_the_modes_output_and_commit(monkeypatch):
     train_bench = _import_train_bench(monkeypatch)
     argv = ["--config", "B", "--modes", "cs_compiled", "--json=out.json", "--mp", "bf16", "--against", "c895265"]
+    argv += ["--rounds", "2"]  # the rounds are this run's: the other commit runs one mode once per round
     assert train_bench.options_passed_on(argv) == ["--config", "B", "--mp", "bf16"]
     assert train_bench._parse_args(argv).argv == argv
+
+
+def test_rounds_pool_the_steps_and_keep_each_ranks_largest_peak(monkeypatch):
+    """Alternated rounds: one median over every round's steps, the median cold step, the worst memory per rank."""
+    train_bench = _import_train_bench(monkeypatch)
+    first = {"cold_step_s": 9.0, "step_times_s": [1.0, 1.2, 1.4], "peak_memory_mb": [10.0, 12.0]}
+    first |= {"step_peak_memory_mb": [5.0, None], "simulated_comm_s": 0.5, "losses": [2.0]}
+    second = first | {"cold_step_s": 7.0, "step_times_s": [2.0, 2.2, 2.4], "peak_memory_mb": [11.0, 11.0]}
+    third = first | {"cold_step_s": 8.0, "step_times_s": [1.6], "step_peak_memory_mb": [4.0, 6.0]}
+    merged = train_bench._merge_rounds([first, second, third])
+    assert merged["step_times_s"] == [1.0, 1.2, 1.4, 2.0, 2.2, 2.4, 1.6]
+    assert (merged["median_step_s"], merged["min_step_s"], merged["cold_step_s"]) == (1.6, 1.0, 8.0)
+    assert merged["peak_memory_mb"] == [11.0, 12.0] and merged["step_peak_memory_mb"] == [5.0, None]
+    assert merged["projected_step_s"] == 1.6 + 0.5 and merged["rounds"] == 3 and merged["losses"] == [2.0]
+    assert train_bench._merge_rounds([first]) is first
+    assert train_bench._parse_args(["--rounds", "3"]).rounds == 3
