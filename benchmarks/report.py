@@ -342,14 +342,16 @@ FIGURES = {
     "step_fp32_per_block": Figure("config_B_W2_fp32", _train("cs_compiled", "fsdp2_block_compiled"), _times),
     "step_fp32_ddp": Figure("config_B_W2_fp32", _train("cs_compiled", "ddp_compiled"), _times),
     "step_fp32_floor": Figure("config_B_W2_fp32", _train("cs_compiled", "floor"), _times),
+    "step_fp32_ddp_floor": Figure("config_B_W2_fp32", _train("ddp_compiled", "floor"), _times),
+    "step_fp32_floor_single_run": Figure("config_B_W2_fp32_every_mode", _train("cs_compiled", "floor"), _times),
     "step_fp32_floor_min": Figure(
         "config_B_W2_fp32", _train("cs_compiled", "floor", quantity="min_step_s"), _times
     ),
-    "step_rewrite_round1": Figure(
-        "config_B_W2_fp32_against_c895265", _train("cs_compiled", "cs_compiled at c895265"), _times
+    "step_since_0adeada_round1": Figure(
+        "config_B_W2_fp32_against_0adeada", _train("cs_compiled", "cs_compiled at 0adeada"), _times
     ),
-    "step_rewrite_round2": Figure(
-        "config_B_W2_fp32_against_c895265_round2", _train("cs_compiled", "cs_compiled at c895265"), _times
+    "step_since_0adeada_round2": Figure(
+        "config_B_W2_fp32_against_0adeada_round2", _train("cs_compiled", "cs_compiled at 0adeada"), _times
     ),
     "overhead_fp32_floor": Figure("config_B_fake8_fp32", _train("cs_compiled", "floor"), _times),
     "peak_memory_fp32": Figure("config_B_W2_fp32", _train("cs_compiled", quantity="peak_memory_mb"), _times),
@@ -363,6 +365,8 @@ FIGURES = {
     ),
     "step_bf16": Figure("config_B_W2_bf16", _train("cs_compiled"), _times),
     "step_bf16_per_block": Figure("config_B_W2_bf16", _train("cs_compiled", "fsdp2_block_compiled"), _times),
+    "step_bf16_floor": Figure("config_B_W2_bf16", _train("cs_compiled", "floor"), _times),
+    "step_bf16_eager_floor": Figure("config_B_W2_bf16", _train("fsdp2_eager", "floor"), _times),
     "peak_memory_bf16": Figure("config_B_W2_bf16", _train("cs_compiled", quantity="peak_memory_mb"), _times),
     "step_gpu_bf16": Figure("gpu_h200_config_B_bf16", _train("cs_compiled"), _times),
     "peak_memory_gpu_bf16": Figure(
@@ -370,6 +374,8 @@ FIGURES = {
     ),
     "config_A_ddp_fp32": Figure("config_A_W2_fp32", _train("cs_compiled", "ddp_compiled"), _times),
     "config_A_ddp_bf16": Figure("config_A_W2_bf16", _train("cs_compiled", "ddp_compiled"), _times),
+    "config_A_floor_fp32": Figure("config_A_W2_fp32", _train("cs_compiled", "floor"), _times),
+    "config_A_ddp_floor_fp32": Figure("config_A_W2_fp32", _train("ddp_compiled", "floor"), _times),
     "cold_step": Figure("cold_start_config_B", _cold("cs_compiled"), _times),
     "cold_step_floor": Figure("cold_start_config_B", _cold("unsharded_regions"), _times),
     "cold_step_over_floor": Figure("cold_start_config_B", _cold_over("cs_compiled", "unsharded_regions"), _times),
@@ -378,9 +384,6 @@ FIGURES = {
     "capture_per_block": Figure("capture_time_fake_ws8", _capture("regions", True), _seconds),
     "capture_per_block_floor": Figure("capture_time_fake_ws8", _capture("unsharded_regions", True), _seconds),
     "capture_depth": Figure("capture_time_fake_ws8", _capture("regions", False), _times),
-    "capture_per_block_before": Figure(
-        "capture_time_fake_ws8", _capture("regions at f484bc9", True), _seconds
-    ),
     "step_fp32_torch_2_15": Figure("config_B_W2_fp32_torch215", _train("cs_compiled"), _times),
 }
 
