@@ -46,7 +46,8 @@ Measured per mode (docs/benchmarks.md explains each method):
   mode's timed steps are pooled (its cold step: the median of its rounds', each from an
   empty Inductor cache; its memory: the largest round's).
 - Memory: glibc's ``M_MMAP_THRESHOLD`` is fixed with ``mallopt`` at process start, so
-  freed large tensors go back to the OS and the resident set follows live tensors.
+  freed large tensors go back to the OS and the resident set follows live tensors
+  (``--cpu-allocator``, below, times steps with glibc configured otherwise).
   ``peak``: the peak RSS of the whole run (``ru_maxrss``, compilation included) minus
   the RSS right after building the model. ``step``: the peak RSS of the timed steps
   (``VmHWM``, reset through ``/proc/self/clear_refs`` after warm-up) minus the RSS
@@ -76,11 +77,17 @@ kernels), as no communication happens there.
 ``--no-reshard-after-forward`` keeps the FSDP modes' blocks gathered from forward to
 backward (FSDP2's ``reshard_after_forward=False``): one all-gather per block and step
 instead of two, DDP's bytes per step.
-``--adaptive-mmap-threshold`` leaves glibc's mmap threshold as a user's process has it:
-a freed large tensor's memory is then reused for the next one, where the fixed
-threshold maps fresh pages for every large tensor (about a quarter of config B's step
-in page faults on this CPU). Step times then follow what a CPU user runs; the memory
-figures do not follow live tensors and are not comparable with the default's.
+``--cpu-allocator`` chooses how glibc's allocator serves the tensors on a CPU, set with
+``mallopt`` at each process's start. ``fixed`` (the default) fixes the mmap threshold:
+every tensor over 128 KiB is a fresh mapping, unmapped when it dies, so the resident set
+follows the live tensors, and every large tensor's first write page-faults. ``adaptive``
+leaves glibc as a user's process has it: a freed block up to 32 MiB raises the threshold
+and is reused, larger ones are still fresh mappings. ``caching`` maps nothing and trims
+nothing: freed memory is reused for the next tensor, as a GPU's caching allocator
+reuses it, so the step times leave out the page faults of fresh memory, which grow with
+the number of large tensors a mode creates rather than with its compute. With
+``adaptive`` and ``caching`` the memory figures include freed heap memory and compare
+only within their run.
 ``--mp bf16`` trains every mode in FSDP2's usual mixed precision, bf16 parameters and
 compute with fp32 reductions: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)`` on every ``fully_shard`` call of both FSDP
@@ -141,8 +148,25 @@ from compile_shard.models import Llama, LlamaConfig
 SCHEMA_VERSION = 1
 COLLECTIVE_KINDS = KINDS
 OVERLAP_SETTINGS = ("bucket", "reorder")
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+# glibc's mallopt parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, frozen: it no longer grows after frees
+NEVER_TRIM_BYTES = 2**31 - 1  # mallopt's largest value: the heap's free top is kept
+#: ``--cpu-allocator``: each choice's ``mallopt`` calls, and what the memory figures then measure.
+CPU_ALLOCATORS = {
+    "fixed": (
+        ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),),
+        f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) at process start",
+    ),
+    "adaptive": ((), "glibc's adaptive mmap threshold (the RSS keeps freed heap memory)"),
+    "caching": (
+        ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM_BYTES)),
+        f"mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, {NEVER_TRIM_BYTES}) at process start (the RSS keeps "
+        "freed heap memory)",
+    ),
+}
 MB = 2**20
 
 
@@ -439,18 +463,24 @@ def _simulate(graphs: list[fx.Graph], profile_name: str, world_size: int) -> dic
 # Memory ----------------------------------------------------------------------------------------------------------
 
 
-def _freeze_mmap_threshold() -> bool:
-    """Makes RSS follow live tensors: large blocks are mmapped and unmapped on free.
+def _configure_cpu_allocator(cpu_allocator: str) -> bool:
+    """Applies ``--cpu-allocator``'s ``mallopt`` calls; False where none applied (none asked, or no glibc).
 
-    glibc raises its mmap threshold after a large block is freed, so later tensors of
-    that size come from the heap and stay resident after they die; a fixed threshold
-    keeps them on mmap. Returns False where glibc (``mallopt``) is absent.
+    ``fixed``: glibc raises its mmap threshold after a large block is freed, so later
+    tensors of that size come from the heap and stay resident after they die; a fixed
+    threshold keeps them on mmap, and RSS follows live tensors. ``caching``: no block is
+    mmapped and the heap's free top is never returned, so each freed tensor's pages serve
+    the next one without page faults.
     """
+    settings, _ = CPU_ALLOCATORS[cpu_allocator]
+    if not settings:
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(getattr(libc, "mallopt", lambda *_: 0)(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    mallopt = getattr(libc, "mallopt", None)
+    return mallopt is not None and all(mallopt(parameter, value) for parameter, value in settings)
 
 
 def _current_rss_bytes() -> int | None:
@@ -492,9 +522,9 @@ class MemoryProbe:
     allocator's allocated bytes.
     """
 
-    def __init__(self, device: torch.device, fixed_mmap_threshold: bool = True):
+    def __init__(self, device: torch.device, cpu_allocator: str = "fixed"):
         self.cuda = device.type == "cuda"
-        self.fixed_mmap_threshold = fixed_mmap_threshold
+        self.cpu_allocator = cpu_allocator
         self.after_build_bytes: int | None = None
         self.before_steps_bytes: int | None = None
         self.peak_before_steps = 0
@@ -544,13 +574,9 @@ class MemoryProbe:
                 "peak: torch.cuda.max_memory_allocated minus memory_allocated after building the model; "
                 "step peak: the same over the timed steps minus memory_allocated before them"
             )
-        threshold = (
-            f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) at process start"
-            if self.fixed_mmap_threshold
-            else "glibc's adaptive mmap threshold (the RSS keeps freed heap memory)"
-        )
+        _, allocator = CPU_ALLOCATORS[self.cpu_allocator]
         return (
-            f"{threshold}; peak: ru_maxrss minus the RSS after building the model; step peak: VmHWM over the "
+            f"{allocator}; peak: ru_maxrss minus the RSS after building the model; step peak: VmHWM over the "
             "timed steps (reset through /proc/self/clear_refs after warm-up) minus the RSS before them"
         )
 
@@ -580,7 +606,8 @@ class Plan:
     result_path: str
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
-    fixed_mmap_threshold: bool = True
+    #: ``--cpu-allocator``: a key of ``CPU_ALLOCATORS``.
+    cpu_allocator: str = "fixed"
 
 
 def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -749,7 +776,7 @@ def _run_rank(plan: Plan, rank: int) -> dict:
     runnable = mode.build(model, ctx)
     if mode.compiled:
         recorder.attach()
-    memory = MemoryProbe(device, plan.fixed_mmap_threshold)
+    memory = MemoryProbe(device, plan.cpu_allocator)
     memory.mark_built()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, times, cpu = _timed_steps(
@@ -887,7 +914,7 @@ def _gather_to_rank0(result: dict, plan: Plan, store: dist.Store | None) -> list
 
 def _mode_worker(index: int, plan: Plan, first_rank: int) -> None:
     """Entry point of one fresh process: one rank of one mode."""
-    mallopt_applied = plan.fixed_mmap_threshold and _freeze_mmap_threshold()
+    mallopt_applied = _configure_cpu_allocator(plan.cpu_allocator)
     torch.set_num_threads(plan.threads)
     with tempfile.TemporaryDirectory(prefix="train_bench_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # an empty cache: the cold step compiles from scratch
@@ -1121,11 +1148,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
         help="bf16: FSDP2's mixed precision (bf16 parameters and compute, fp32 reductions) in every mode",
     )
     parser.add_argument(
-        "--adaptive-mmap-threshold",
-        dest="fixed_mmap_threshold",
-        action="store_false",
-        help="CPU: leave glibc's mmap threshold adaptive (time steps as a user's process runs them; memory figures "
-        "then include freed heap memory)",
+        "--cpu-allocator",
+        choices=tuple(CPU_ALLOCATORS),
+        default="fixed",
+        help="CPU: how glibc serves tensors. fixed: the resident set follows live tensors, each large tensor "
+        "page-faults; adaptive: glibc's default; caching: freed memory is reused, as a GPU's caching allocator "
+        "reuses it (memory figures then include freed heap memory)",
     )
     parser.add_argument(
         "--rounds",
@@ -1209,7 +1237,7 @@ def _report_header(args: argparse.Namespace, config: BenchConfig, fake: bool, th
         "cost_profile": args.cost_profile if fake else None,
         "reshard_after_forward": args.reshard_after_forward,
         "mixed_precision": args.mp,
-        "fixed_mmap_threshold": args.fixed_mmap_threshold,
+        "cpu_allocator": args.cpu_allocator,
         "threads_per_process": threads,
         "rounds": args.rounds,
         "torch": torch.__version__,
@@ -1239,7 +1267,7 @@ def _run_modes(args: argparse.Namespace, config: BenchConfig, fake: bool, thread
                 result_path=str(Path(scratch) / f"{name}.json"),
                 reshard_after_forward=args.reshard_after_forward,
                 param_dtype=torch.bfloat16 if args.mp == "bf16" else None,
-                fixed_mmap_threshold=args.fixed_mmap_threshold,
+                cpu_allocator=args.cpu_allocator,
             )
             start = time.perf_counter()
             result = _run_mode_torchrun(plan) if torchrun else _run_mode_spawned(plan)

@@ -2,7 +2,7 @@
 
 Two runs of the script, shared by the tests: six modes on 2 gloo processes, and four
 modes on rank 0 of a fake process group of 8, in mixed precision (``--mp bf16``) and
-with glibc's mmap threshold left adaptive; both with the floor, against which every
+with glibc's allocator reusing freed memory (``--cpu-allocator caching``); both with the floor, against which every
 mode's ratios are reported too.
 Compiled modes use ``aot_eager`` so that no Inductor compilation makes the file slow.
 """
@@ -83,7 +83,7 @@ def fake_report(tmp_path_factory):
         # 3 layers: the first block runs inlined, and a region called once is inlined too.
         *("--device", "cpu", "--fake-world-size", "8", "--layers", "3", "--mp", "bf16"),
         *("--modes", ",".join(FAKE_MODES)),
-        "--adaptive-mmap-threshold",
+        *("--cpu-allocator", "caching"),
     )
 
 
@@ -128,7 +128,7 @@ def test_gloo_report_schema_and_ratios(gloo_report):
     _check_schema(gloo_report, GLOO_MODES, world_size=2)
     assert gloo_report["process_group"] == "gloo"
     assert gloo_report["reshard_after_forward"] is True
-    assert gloo_report["fixed_mmap_threshold"] is True
+    assert gloo_report["cpu_allocator"] == "fixed"
     assert all(result["mallopt_applied"] for result in gloo_report["modes"].values())  # glibc on this machine
     processes = {name: result["processes"] for name, result in gloo_report["modes"].items()}
     assert processes == {"cs_eager": 2, "cs_compiled": 2, "fsdp2_eager": 2, "ddp": 2, "reference": 1, "floor": 1}
@@ -231,9 +231,9 @@ def test_gloo_compiled_mode_is_one_graph(gloo_report):
 def test_fake_process_group_report(fake_report):
     _check_schema(fake_report, FAKE_MODES, world_size=8)
     assert fake_report["process_group"] == "fake" and fake_report["mixed_precision"] == "bf16"
-    assert fake_report["fixed_mmap_threshold"] is False
+    assert fake_report["cpu_allocator"] == "caching"
     for result in fake_report["modes"].values():
-        assert not result["mallopt_applied"] and result["memory_method"].startswith("glibc's adaptive mmap threshold")
+        assert result["mallopt_applied"] and result["memory_method"].startswith("mallopt(M_MMAP_MAX, 0)")
     compiled, eager = fake_report["modes"]["cs_compiled"], fake_report["modes"]["fsdp2_eager"]
     assert compiled["processes"] == eager["processes"] == 1
     assert compiled["max_loss_diff"] is None and eager["max_loss_diff"] is None
