@@ -343,7 +343,6 @@ FIGURES = {
     "step_fp32_ddp": Figure("config_B_W2_fp32", _train("cs_compiled", "ddp_compiled"), _times),
     "step_fp32_floor": Figure("config_B_W2_fp32", _train("cs_compiled", "floor"), _times),
     "step_fp32_ddp_floor": Figure("config_B_W2_fp32", _train("ddp_compiled", "floor"), _times),
-    "step_fp32_floor_single_run": Figure("config_B_W2_fp32_every_mode", _train("cs_compiled", "floor"), _times),
     "step_fp32_floor_min": Figure(
         "config_B_W2_fp32", _train("cs_compiled", "floor", quantity="min_step_s"), _times
     ),
@@ -354,6 +353,15 @@ FIGURES = {
         "config_B_W2_fp32_against_0adeada_round2", _train("cs_compiled", "cs_compiled at 0adeada"), _times
     ),
     "overhead_fp32_floor": Figure("config_B_fake8_fp32", _train("cs_compiled", "floor"), _times),
+    "overhead_fp32_floor_caching": Figure("config_B_fake8_fp32_caching", _train("cs_compiled", "floor"), _times),
+    "overhead_fp32_floor_caching_min": Figure(
+        "config_B_fake8_fp32_caching", _train("cs_compiled", "floor", quantity="min_step_s"), _times
+    ),
+    "step_fp32_caching": Figure("config_B_W2_fp32_caching", _train("cs_compiled"), _times),
+    "step_fp32_floor_caching": Figure("config_B_W2_fp32_caching", _train("cs_compiled", "floor"), _times),
+    "step_fp32_ddp_floor_caching": Figure("config_B_W2_fp32_caching", _train("ddp_compiled", "floor"), _times),
+    "step_bf16_caching": Figure("config_B_W2_bf16_caching", _train("cs_compiled"), _times),
+    "config_A_ddp_fp32_caching": Figure("config_A_W2_fp32_caching", _train("cs_compiled", "ddp_compiled"), _times),
     "peak_memory_fp32": Figure("config_B_W2_fp32", _train("cs_compiled", quantity="peak_memory_mb"), _times),
     "graphs_fp32": Figure(
         "config_B_W2_fp32",
@@ -411,14 +419,26 @@ TARGETS = (
         "overhead_fp32_floor",
         1.05,
     ),
+    Target(
+        "config B step against the floor on a fake group of 8, glibc reusing freed memory (`--cpu-allocator caching`)",
+        "overhead_fp32_floor_caching",
+        1.05,
+    ),
+    Target(
+        "config B step against the floor, fp32, glibc reusing freed memory (`--cpu-allocator caching`)",
+        "step_fp32_floor_caching",
+        1.1,
+    ),
     Target("compiled graphs / graph breaks / recompiles, config B", "graphs_fp32", (1, 0, 0)),
     Target("largest loss difference from the unsharded reference, config B fp32", "loss_fp32", 1e-5),
     Target("config B step against FSDP2 eager, bf16", "step_bf16", 0.5),
+    Target("config B step against FSDP2 eager, bf16, glibc reusing freed memory", "step_bf16_caching", 0.5),
     Target("config B step against FSDP2 with per-block compile, bf16", "step_bf16_per_block", 1.0),
     Target("config B peak memory against FSDP2 eager, bf16", "peak_memory_bf16", 1.0),
     Target("config B step against FSDP2 eager, bf16, one H200", "step_gpu_bf16", 0.5),
     Target("config B peak memory against FSDP2 eager, bf16, one H200", "peak_memory_gpu_bf16", 1.0),
     Target("config A step against DDP compiled, fp32", "config_A_ddp_fp32", 1.0),
+    Target("config A step against DDP compiled, fp32, glibc reusing freed memory", "config_A_ddp_fp32_caching", 1.0),
     Target("config A step against DDP compiled, bf16", "config_A_ddp_bf16", 1.0),
     Target("config B first step, compiling, against FSDP2 with per-block compile", "cold_step", 1.25),
     Target(
