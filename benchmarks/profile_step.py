@@ -10,11 +10,13 @@
     python benchmarks/profile_step.py --mode cs_compiled --mp bf16   # bf16 parameters, fp32 reductions
     python benchmarks/profile_step.py --mode cs_compiled --fake-world-size 8   # rank 0 of a fake group
     python benchmarks/profile_step.py --mode floor     # the unsharded model compiled, one rank's batch
+    python benchmarks/profile_step.py --mode cs_compiled --cpu-allocator caching   # glibc reusing freed memory
 
 Builds the configuration's model (``train_bench.CONFIGS``, default B) the way
 ``train_bench.py`` builds the mode (its ``MODES``), runs two warm-up steps (compilation
 included) and profiles three steps on every rank, each on one rank's batch and one
-thread. A mode that runs alone (``floor``, ``reference``) and any mode under
+thread, with glibc's allocator set as ``train_bench.py --cpu-allocator`` sets it (the
+same default). A mode that runs alone (``floor``, ``reference``) and any mode under
 ``--fake-world-size`` run one process. Rank 0 prints the operators with the most self
 CPU time and the share of the profiled time spent in collectives (waits included),
 computing, and in the optimizer.
@@ -35,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import compile_shard.passes
 from compile_shard.models import Llama
-from train_bench import CONFIGS, MODES, BuildContext
+from train_bench import CONFIGS, CPU_ALLOCATORS, MODES, BuildContext, configure_cpu_allocator
 
 COMMUNICATION = (
     "c10d", "gloo", "all_gather", "reduce_scatter", "wait_tensor", "allreduce", "all_reduce", "alltoall", "all_to_all"
@@ -50,6 +52,7 @@ def _step(model, optimizer, tokens) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    configure_cpu_allocator(args.cpu_allocator)
     torch.set_num_threads(1)
     mode = MODES[args.mode]
     if args.fake_world_size is not None and mode.distributed:
@@ -82,25 +85,28 @@ def _worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         if world_size > 1:
             dist.barrier()
         if rank == 0:
-            _report(profiler, args.mode, args.top, args.op)
+            _report(profiler, args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _report(profiler, mode: str, top: int, op: str | None) -> None:
+def _report(profiler, args: argparse.Namespace) -> None:
     events = profiler.key_averages()
     total = sum(event.self_cpu_time_total for event in events)
     communication = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMMUNICATION))
     optimizer = sum(e.self_cpu_time_total for e in events if "optimizer" in e.key.lower() or "_foreach" in e.key)
-    print(f"{mode}: 3 profiled steps, {total / 3e3:.0f} ms of self CPU time per step on rank 0")
+    print(
+        f"{args.mode}: 3 profiled steps, {total / 3e3:.0f} ms of self CPU time per step on rank 0 "
+        f"(--cpu-allocator {args.cpu_allocator})"
+    )
     print(f"  collectives (incl. waits): {100 * communication / total:5.1f}%")
     print(f"  optimizer (foreach ops):   {100 * optimizer / total:5.1f}%")
     print(f"  everything else (compute): {100 * (total - communication - optimizer) / total:5.1f}%")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
-    if op is not None:
-        matching = [f"{e.key}: {e.count} calls, {e.cpu_time_total:.1f} us in all" for e in events if op in e.key]
-        print(f"operators named *{op}*: {'; '.join(matching) or 'none ran'}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.op is not None:
+        matching = [f"{e.key}: {e.count} calls, {e.cpu_time_total:.1f} us in all" for e in events if args.op in e.key]
+        print(f"operators named *{args.op}*: {'; '.join(matching) or 'none ran'}")
 
 
 def main(argv=None) -> None:
@@ -119,6 +125,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--mp", choices=("fp32", "bf16"), default="fp32", help="bf16: FSDP2's bf16 parameters, fp32 reductions"
+    )
+    parser.add_argument(
+        "--cpu-allocator",
+        choices=tuple(CPU_ALLOCATORS),
+        default="fixed",
+        help="how glibc serves tensors, as in train_bench.py (caching: freed memory is reused)",
     )
     args = parser.parse_args(argv)
     if args.fake_world_size is not None and not MODES[args.mode].runs_on_fake_group:

@@ -463,7 +463,7 @@ def _simulate(graphs: list[fx.Graph], profile_name: str, world_size: int) -> dic
 # Memory ----------------------------------------------------------------------------------------------------------
 
 
-def _configure_cpu_allocator(cpu_allocator: str) -> bool:
+def configure_cpu_allocator(cpu_allocator: str) -> bool:
     """Applies ``--cpu-allocator``'s ``mallopt`` calls; False where none applied (none asked, or no glibc).
 
     ``fixed``: glibc raises its mmap threshold after a large block is freed, so later
@@ -914,7 +914,7 @@ def _gather_to_rank0(result: dict, plan: Plan, store: dist.Store | None) -> list
 
 def _mode_worker(index: int, plan: Plan, first_rank: int) -> None:
     """Entry point of one fresh process: one rank of one mode."""
-    mallopt_applied = _configure_cpu_allocator(plan.cpu_allocator)
+    mallopt_applied = configure_cpu_allocator(plan.cpu_allocator)
     torch.set_num_threads(plan.threads)
     with tempfile.TemporaryDirectory(prefix="train_bench_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # an empty cache: the cold step compiles from scratch

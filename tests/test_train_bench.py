@@ -338,7 +338,10 @@ def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(cap
     assert "['ddp'] cannot run on the fake process group" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--mode", "cs_compiled", "--fake-world-size", "2"], ["--mode", "floor"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--mode", "cs_compiled", "--fake-world-size", "2"], ["--mode", "floor", "--cpu-allocator", "caching"]],
+)
 def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(argv):
     script = SCRIPT.parent / "profile_step.py"
     finished = subprocess.run(
@@ -348,7 +351,9 @@ def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(ar
         check=False,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
+    allocator = argv[argv.index("--cpu-allocator") + 1] if "--cpu-allocator" in argv else "fixed"
     assert f"{argv[1]}: 3 profiled steps" in finished.stdout
+    assert f"(--cpu-allocator {allocator})" in finished.stdout
     shares = [line for line in finished.stdout.splitlines() if line.strip().startswith(("collectives", "optimizer"))]
     assert len(shares) == 2, finished.stdout
 
