@@ -346,12 +346,6 @@ FIGURES = {
     "step_fp32_floor_min": Figure(
         "config_B_W2_fp32", _train("cs_compiled", "floor", quantity="min_step_s"), _times
     ),
-    "step_since_0adeada_round1": Figure(
-        "config_B_W2_fp32_against_0adeada", _train("cs_compiled", "cs_compiled at 0adeada"), _times
-    ),
-    "step_since_0adeada_round2": Figure(
-        "config_B_W2_fp32_against_0adeada_round2", _train("cs_compiled", "cs_compiled at 0adeada"), _times
-    ),
     "overhead_fp32_floor": Figure("config_B_fake8_fp32", _train("cs_compiled", "floor"), _times),
     "overhead_fp32_floor_caching": Figure("config_B_fake8_fp32_caching", _train("cs_compiled", "floor"), _times),
     "overhead_fp32_floor_caching_min": Figure(
@@ -392,7 +386,6 @@ FIGURES = {
     "capture_per_block": Figure("capture_time_fake_ws8", _capture("regions", True), _seconds),
     "capture_per_block_floor": Figure("capture_time_fake_ws8", _capture("unsharded_regions", True), _seconds),
     "capture_depth": Figure("capture_time_fake_ws8", _capture("regions", False), _times),
-    "step_fp32_torch_2_15": Figure("config_B_W2_fp32_torch215", _train("cs_compiled"), _times),
 }
 
 
