@@ -154,20 +154,30 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value, frozen: it no longer grows after frees
 NEVER_TRIM_BYTES = 2**31 - 1  # mallopt's largest value: the heap's free top is kept
-#: ``--cpu-allocator``: each choice's ``mallopt`` calls, and what the memory figures then measure.
+MB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuAllocator:
+    """A ``--cpu-allocator`` choice: glibc's settings at process start, and what the memory figures then measure."""
+
+    #: ``(parameter, value)`` pairs for ``mallopt``; none leaves glibc as it comes.
+    mallopt_calls: tuple[tuple[int, int], ...]
+    memory_method: str
+
+
 CPU_ALLOCATORS = {
-    "fixed": (
+    "fixed": CpuAllocator(
         ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),),
         f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD_BYTES}) at process start",
     ),
-    "adaptive": ((), "glibc's adaptive mmap threshold (the RSS keeps freed heap memory)"),
-    "caching": (
+    "adaptive": CpuAllocator((), "glibc's adaptive mmap threshold (the RSS keeps freed heap memory)"),
+    "caching": CpuAllocator(
         ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM_BYTES)),
         f"mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, {NEVER_TRIM_BYTES}) at process start (the RSS keeps "
         "freed heap memory)",
     ),
 }
-MB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,15 +482,15 @@ def configure_cpu_allocator(cpu_allocator: str) -> bool:
     mmapped and the heap's free top is never returned, so each freed tensor's pages serve
     the next one without page faults.
     """
-    settings, _ = CPU_ALLOCATORS[cpu_allocator]
-    if not settings:
+    calls = CPU_ALLOCATORS[cpu_allocator].mallopt_calls
+    if not calls:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
     mallopt = getattr(libc, "mallopt", None)
-    return mallopt is not None and all(mallopt(parameter, value) for parameter, value in settings)
+    return mallopt is not None and all(mallopt(parameter, value) for parameter, value in calls)
 
 
 def _current_rss_bytes() -> int | None:
@@ -574,10 +584,10 @@ class MemoryProbe:
                 "peak: torch.cuda.max_memory_allocated minus memory_allocated after building the model; "
                 "step peak: the same over the timed steps minus memory_allocated before them"
             )
-        _, allocator = CPU_ALLOCATORS[self.cpu_allocator]
         return (
-            f"{allocator}; peak: ru_maxrss minus the RSS after building the model; step peak: VmHWM over the "
-            "timed steps (reset through /proc/self/clear_refs after warm-up) minus the RSS before them"
+            f"{CPU_ALLOCATORS[self.cpu_allocator].memory_method}; peak: ru_maxrss minus the RSS after building the "
+            "model; step peak: VmHWM over the timed steps (reset through /proc/self/clear_refs after warm-up) minus "
+            "the RSS before them"
         )
 
 

@@ -2,8 +2,8 @@
 
 Two runs of the script, shared by the tests: six modes on 2 gloo processes, and four
 modes on rank 0 of a fake process group of 8, in mixed precision (``--mp bf16``) and
-with glibc's allocator reusing freed memory (``--cpu-allocator caching``); both with the floor, against which every
-mode's ratios are reported too.
+with glibc's allocator reusing freed memory (``--cpu-allocator caching``); both with
+the floor, against which every mode's ratios are reported too.
 Compiled modes use ``aot_eager`` so that no Inductor compilation makes the file slow.
 """
 
@@ -339,10 +339,13 @@ def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(cap
 
 
 @pytest.mark.parametrize(
-    "argv",
-    [["--mode", "cs_compiled", "--fake-world-size", "2"], ["--mode", "floor", "--cpu-allocator", "caching"]],
+    "argv, allocator",
+    [
+        (["--mode", "cs_compiled", "--fake-world-size", "2"], "fixed"),
+        (["--mode", "floor", "--cpu-allocator", "caching"], "caching"),
+    ],
 )
-def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(argv):
+def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(argv, allocator):
     script = SCRIPT.parent / "profile_step.py"
     finished = subprocess.run(
         [sys.executable, str(script), "--config", "smoke", "--top", "3", *argv],
@@ -351,7 +354,6 @@ def test_profile_step_profiles_a_fake_group_rank_and_the_floor_in_one_process(ar
         check=False,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
-    allocator = argv[argv.index("--cpu-allocator") + 1] if "--cpu-allocator" in argv else "fixed"
     assert f"{argv[1]}: 3 profiled steps" in finished.stdout
     assert f"(--cpu-allocator {allocator})" in finished.stdout
     shares = [line for line in finished.stdout.splitlines() if line.strip().startswith(("collectives", "optimizer"))]
