@@ -49,13 +49,7 @@ def _torchrun(script: str, *args: str, expect_success: bool = True) -> subproces
     return result
 
 
-# [Note: gloo's aborts]
-# Torch 2.13's gloo now and then aborts a rank from C++ ("terminate called without an
-# active exception" at interpreter teardown, which the examples skip with os._exit; and
-# once in CI a rank of torch FSDP2's own run of fsdp2_tutorial.py died of SIGABRT while
-# gathering the full state dict, leaving the other rank's read reset by peer, not
-# reproduced in over 70 launches since). A script's own error, raised in Python, ends its rank
-# with exit code 1, not a signal. A launch with an aborted rank runs again, once.
+# A rank's SIGABRT, as torchrun reports it ([Note: gloo's aborts] in tests/dist_utils.py).
 _GLOO_ABORT = "Signal 6 (SIGABRT)"
 
 

@@ -338,6 +338,16 @@ def test_fake_process_group_leaves_out_ddp_by_default_and_refuses_it_by_name(cap
     assert "['ddp'] cannot run on the fake process group" in capsys.readouterr().err
 
 
+def test_the_adaptive_cpu_allocator_leaves_glibc_as_it_comes(monkeypatch):
+    train_bench = _import_train_bench(monkeypatch)
+
+    def no_libc(*args, **kwargs):
+        raise AssertionError("--cpu-allocator adaptive loaded libc to call mallopt")
+
+    monkeypatch.setattr(train_bench.ctypes, "CDLL", no_libc)
+    assert train_bench.configure_cpu_allocator("adaptive") is False
+
+
 @pytest.mark.parametrize(
     "argv, allocator",
     [
