@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,12 @@ multiprocessing.set_forkserver_preload(
 )
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args, timeout: datetime.timedelta | None = None) -> None:
-    # A rank killed by a signal (a crash in native code) prints every thread's Python
-    # stack to the stderr pytest shows, where the test would only say which signal.
-    faulthandler.enable(all_threads=True)
+def _entry(rank: int, world_size: int, port: int, stacks: str, fn, args, timeout: datetime.timedelta | None) -> None:
+    # A rank killed by a signal (a crash in native code) writes every thread's Python
+    # stack to stacks/rank<r>, which run_gloo shows, where the test would only say which
+    # signal. Not to stderr: a test that passes on its rerun ([Note: gloo's aborts]) would
+    # discard it with the rest of its captured output.
+    faulthandler.enable(open(os.path.join(stacks, f"rank{rank}"), "w"), all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -94,8 +97,9 @@ def _start_fork_server_without_gpus() -> None:
 # under valgrind's memcheck, which found no invalid read or write
 # (docs/torch-2.13-findings.md). A test's own failure, raised in Python, ends its rank
 # with exit code 1, not a signal. So a launch (tests/test_examples.py) or a run_gloo
-# call in which a rank died of SIGABRT runs again, once, with a warning that says so: a
-# failure that repeats still fails.
+# call in which a rank died of SIGABRT runs again, once, with a warning that says so
+# and, from run_gloo, holds the rank's Python stacks: a failure that repeats still
+# fails, and one that does not leaves its stacks in the test report's warnings.
 
 
 def run_gloo(fn, world_size: int, *args, timeout: datetime.timedelta | None = None) -> None:
@@ -109,23 +113,34 @@ def run_gloo(fn, world_size: int, *args, timeout: datetime.timedelta | None = No
     except mp.ProcessExitedException as error:
         if error.signal_name != "SIGABRT":
             raise
-        warnings.warn(f"{error}; ran again ([Note: gloo's aborts] in tests/dist_utils.py)", stacklevel=2)
+        warnings.warn(
+            f"{error}; ran again ([Note: gloo's aborts] in tests/dist_utils.py). Its stacks:\n{error.stacks}",
+            stacklevel=2,
+        )
         _run_gloo_once(fn, world_size, args, timeout)
 
 
 def _run_gloo_once(fn, world_size: int, args: tuple, timeout: datetime.timedelta | None) -> None:
+    """One run; a rank killed by a signal raises ``ProcessExitedException`` with its threads' ``stacks``."""
     _start_fork_server_without_gpus()
     # The launcher holds the ranks' rendezvous store, on a port the OS picks as it binds:
     # a free port picked first and bound later by rank 0 can be taken in between, by
     # another test's gloo connections (EADDRINUSE, seen in CI).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.start_processes(
-        _entry,
-        args=(world_size, store.port, fn, args, timeout),
-        nprocs=world_size,
-        join=True,
-        start_method="forkserver",
-    )
+    with tempfile.TemporaryDirectory(prefix="compile_shard_stacks_") as stacks:
+        try:
+            mp.start_processes(
+                _entry,
+                args=(world_size, store.port, stacks, fn, args, timeout),
+                nprocs=world_size,
+                join=True,
+                start_method="forkserver",
+            )
+        except mp.ProcessExitedException as error:
+            written = Path(stacks, f"rank{error.error_index}")
+            error.stacks = written.read_text() if written.exists() else "(none written)"
+            print(f"rank {error.error_index}, {error.signal_name or error.exit_code}:\n{error.stacks}", file=sys.stderr)
+            raise
 
 
 class FakeProcessGroup:

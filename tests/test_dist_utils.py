@@ -43,16 +43,18 @@ def _always_raise(rank, world_size, directory):
         raise RuntimeError("a failure of the test itself")
 
 
-def test_a_run_whose_rank_aborted_runs_again_with_a_warning(tmp_path):
-    with pytest.warns(UserWarning, match="SIGABRT.*ran again"):
+def test_a_run_whose_rank_aborted_runs_again_with_a_warning_that_holds_its_stacks(tmp_path):
+    with pytest.warns(UserWarning, match=r"SIGABRT; ran again(.|\n)* in _abort_on_the_first_run"):
         run_gloo(_abort_on_the_first_run, 2, str(tmp_path))
     assert _runs(tmp_path) == 2
 
 
-def test_a_rank_that_aborts_again_fails_the_test(tmp_path):
+def test_a_rank_that_aborts_again_fails_the_test_and_shows_its_stacks(tmp_path, capsys):
     with pytest.warns(UserWarning, match="SIGABRT"), pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
         run_gloo(_always_abort, 2, str(tmp_path))
     assert _runs(tmp_path) == 2
+    shown = capsys.readouterr().err
+    assert "rank 1, SIGABRT:" in shown and " in _always_abort" in shown
 
 
 def test_an_exception_in_a_rank_fails_the_test_without_a_rerun(tmp_path):
