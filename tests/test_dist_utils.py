@@ -11,17 +11,16 @@ import torch.multiprocessing as mp
 from dist_utils import run_gloo
 
 
-def _runs(directory: Path) -> int:
-    """How many runs rank 0 started."""
-    path = directory / "rank0"
+def _runs(directory: str | Path, rank: int = 0) -> int:
+    """How many runs ``rank`` started, as ``_record_run`` counted them in ``directory``."""
+    path = Path(directory) / f"rank{rank}"
     return len(path.read_text()) if path.exists() else 0
 
 
 def _record_run(rank: int, directory: str) -> int:
     """Counts this rank's run in ``directory``; returns how many it made before."""
-    path = Path(directory) / f"rank{rank}"
-    before = len(path.read_text()) if path.exists() else 0
-    with path.open("a") as file:
+    before = _runs(directory, rank)
+    with (Path(directory) / f"rank{rank}").open("a") as file:
         file.write("x")
     return before
 
